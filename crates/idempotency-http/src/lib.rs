@@ -1,0 +1,1 @@
+//! tower/axum middleware for the `Idempotency-Key` header (work in progress).

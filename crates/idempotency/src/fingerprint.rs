@@ -1,0 +1,128 @@
+//! A SHA-256 fingerprint of what the client asked for, so a reused key with another request is caught.
+
+use serde::Serialize;
+use sha2::{Digest, Sha256};
+use std::fmt;
+
+/// SHA-256 of a canonical form of a request.
+///
+/// Two requests that mean the same thing hash the same: JSON is canonicalised with RFC 8785 (JCS:
+/// sorted keys, no insignificant whitespace, one number format), so `{"a":1,"b":2}` and
+/// `{ "b": 2, "a": 1 }` are one request.
+///
+/// ```
+/// use idempotency::Fingerprint;
+/// let a = Fingerprint::of_json_bytes(br#"{"a":1,"b":[true,null]}"#)?;
+/// let b = Fingerprint::of_json_bytes(b"{ \"b\": [true, null],\n \"a\": 1.0 }")?;
+/// assert_eq!(a, b);
+/// assert_ne!(a, Fingerprint::of_json(&serde_json::json!({"a": 2, "b": [true, null]}))?);
+/// # Ok::<(), serde_json::Error>(())
+/// ```
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Fingerprint([u8; 32]);
+
+impl Fingerprint {
+    /// Fingerprint of any serialisable value, through its canonical JSON form.
+    pub fn of_json<T: Serialize>(value: &T) -> Result<Self, serde_json::Error> {
+        Ok(Self::of_bytes(&canonical_json(value)?))
+    }
+
+    /// Fingerprint of a JSON document given as bytes; fails if they are not JSON.
+    pub fn of_json_bytes(json: &[u8]) -> Result<Self, serde_json::Error> {
+        let value: serde_json::Value = serde_json::from_slice(json)?;
+        Self::of_json(&value)
+    }
+
+    /// Fingerprint of raw bytes, taken as they are.
+    pub fn of_bytes(bytes: &[u8]) -> Self {
+        Self(Sha256::digest(bytes).into())
+    }
+
+    /// Starts a fingerprint over several labelled parts (method, path, headers, body …).
+    pub fn builder() -> FingerprintBuilder {
+        FingerprintBuilder(Sha256::new())
+    }
+
+    /// Rebuilds a fingerprint from the 32 bytes a store kept.
+    pub fn from_bytes(bytes: [u8; 32]) -> Self {
+        Self(bytes)
+    }
+
+    /// The 32 digest bytes.
+    pub fn as_bytes(&self) -> &[u8; 32] {
+        &self.0
+    }
+
+    /// Lower-case hexadecimal form, 64 characters.
+    pub fn to_hex(&self) -> String {
+        hex::encode(self.0)
+    }
+}
+
+impl TryFrom<&[u8]> for Fingerprint {
+    type Error = std::array::TryFromSliceError;
+    fn try_from(bytes: &[u8]) -> Result<Self, Self::Error> {
+        Ok(Self(bytes.try_into()?))
+    }
+}
+
+impl fmt::Debug for Fingerprint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Fingerprint({})", self.to_hex())
+    }
+}
+
+impl fmt::Display for Fingerprint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.to_hex())
+    }
+}
+
+/// Hashes labelled parts unambiguously: each part is length-prefixed, so `("ab", "c")` and
+/// `("a", "bc")` differ.
+///
+/// ```
+/// use idempotency::Fingerprint;
+/// let fp = Fingerprint::builder()
+///     .part("method", b"POST")
+///     .part("path", b"/purchases")
+///     .json_part("body", br#"{"sku":"tea","quantity":1}"#)?
+///     .finish();
+/// assert_eq!(fp.to_hex().len(), 64);
+/// # Ok::<(), serde_json::Error>(())
+/// ```
+#[derive(Clone)]
+pub struct FingerprintBuilder(Sha256);
+
+impl FingerprintBuilder {
+    /// Adds a part taken as raw bytes.
+    pub fn part(mut self, label: &str, value: &[u8]) -> Self {
+        for bytes in [label.as_bytes(), value] {
+            self.0.update((bytes.len() as u64).to_be_bytes());
+            self.0.update(bytes);
+        }
+        self
+    }
+
+    /// Adds a part that is a JSON document, canonicalised first.
+    pub fn json_part(self, label: &str, json: &[u8]) -> Result<Self, serde_json::Error> {
+        let value: serde_json::Value = serde_json::from_slice(json)?;
+        Ok(self.part(label, &canonical_json(&value)?))
+    }
+
+    /// The fingerprint of all parts added.
+    pub fn finish(self) -> Fingerprint {
+        Fingerprint(self.0.finalize().into())
+    }
+}
+
+/// The RFC 8785 canonical JSON bytes of a value.
+///
+/// ```
+/// let bytes = idempotency::fingerprint::canonical_json(&serde_json::json!({"b": 1, "a": [1.50, "x"]}))?;
+/// assert_eq!(bytes, br#"{"a":[1.5,"x"],"b":1}"#);
+/// # Ok::<(), serde_json::Error>(())
+/// ```
+pub fn canonical_json<T: Serialize>(value: &T) -> Result<Vec<u8>, serde_json::Error> {
+    serde_json_canonicalizer::to_vec(value)
+}

@@ -1,0 +1,415 @@
+//! The protocol of the article, top to bottom: **reserve** (own commit) → **run** the work in the
+//! business transaction → **complete** the key in that same transaction → commit; on failure
+//! **release** the key only if it is still pending with our lease.
+
+use crate::{
+    error::{Error, StoreError},
+    store::{Effects, Insertion, KeyState, LeaseToken, PendingRow, Store},
+    Fingerprint, IdempotencyKey, Outcome,
+};
+use futures_util::{future::BoxFuture, FutureExt};
+use serde::{de::DeserializeOwned, Serialize};
+use std::{panic::AssertUnwindSafe, time::Duration};
+
+/// How many times a reservation is retried when the row it conflicted with vanished meanwhile.
+const RESERVE_ATTEMPTS: u32 = 8;
+
+/// One attempt at a logical operation: its key, the fingerprint of this request, and what it
+/// touches.
+///
+/// ```
+/// use idempotency::{Attempt, Effects, Fingerprint, IdempotencyKey};
+/// let key = IdempotencyKey::new("user-1", "send-mail", "k-1")?;
+/// let attempt = Attempt::new(key, Fingerprint::of_bytes(b"hello")).effects(Effects::External);
+/// assert_eq!(attempt.effects, Effects::External);
+/// # Ok::<(), idempotency::InvalidKey>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct Attempt {
+    /// The key.
+    pub key: IdempotencyKey,
+    /// What this request asked for.
+    pub fingerprint: Fingerprint,
+    /// What the work touches (default [`Effects::Local`]).
+    pub effects: Effects,
+}
+
+impl Attempt {
+    /// A local attempt.
+    pub fn new(key: IdempotencyKey, fingerprint: Fingerprint) -> Self {
+        Self {
+            key,
+            fingerprint,
+            effects: Effects::Local,
+        }
+    }
+
+    /// Sets what the work touches.
+    pub fn effects(mut self, effects: Effects) -> Self {
+        self.effects = effects;
+        self
+    }
+}
+
+/// What to do with the key when the work returns an error.
+///
+/// ```
+/// use idempotency::AfterError;
+/// let decide = |e: &std::io::Error| match e.kind() {
+///     std::io::ErrorKind::TimedOut => AfterError::Park(format!("mail provider: {e}")),
+///     _ => AfterError::Release,
+/// };
+/// assert_eq!(decide(&std::io::ErrorKind::TimedOut.into()), AfterError::Park("mail provider: timed out".into()));
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AfterError {
+    /// Nothing happened that we cannot undo: release the key so a retry runs again.
+    Release,
+    /// An outside effect may have happened: keep the key as `needs_review` with this reason.
+    Park(String),
+}
+
+/// The answer of [`Idempotency::reserve`].
+#[derive(Debug)]
+pub enum Reservation<S: Store> {
+    /// We hold the key; run the work and [`Lease::finish`] it.
+    Acquired(Lease<S>),
+    /// The operation was completed before; these are its stored result bytes.
+    Completed(Vec<u8>),
+}
+
+/// The right to run the work for one key, until the lease ends.
+///
+/// Dropping a lease that was neither finished, released nor parked (a panic, a cancelled future)
+/// releases the key in a background task, so a cancelled request does not keep the key pending
+/// until its lease ends.
+#[derive(Debug)]
+pub struct Lease<S: Store> {
+    store: S,
+    key: IdempotencyKey,
+    token: LeaseToken,
+    retention: Duration,
+    armed: bool,
+}
+
+impl<S: Store> Lease<S> {
+    /// The key held.
+    pub fn key(&self) -> &IdempotencyKey {
+        &self.key
+    }
+
+    /// Our lease token.
+    pub fn token(&self) -> LeaseToken {
+        self.token
+    }
+
+    /// Marks the key completed with `result` **inside** `tx` (only if still pending with our
+    /// token), then commits `tx`. If the lease was lost, rolls `tx` back and returns
+    /// [`Error::LeaseLost`]; if the commit fails, releases the key only if it is still pending
+    /// (a lost COMMIT acknowledgement may hide a commit that happened).
+    pub async fn finish(
+        mut self,
+        mut tx: sqlx::Transaction<'static, S::Database>,
+        result: &[u8],
+    ) -> Result<(), Error> {
+        let completed = self
+            .store
+            .complete(&mut tx, &self.key, self.token, result, self.retention)
+            .await;
+        match completed {
+            Ok(true) => {}
+            Ok(false) => {
+                self.armed = false;
+                let _ = tx.rollback().await;
+                return Err(Error::LeaseLost);
+            }
+            Err(e) => {
+                let _ = tx.rollback().await;
+                self.release_quietly().await;
+                return Err(e.into());
+            }
+        }
+        match tx.commit().await {
+            Ok(()) => {
+                self.armed = false;
+                Ok(())
+            }
+            Err(e) => {
+                self.release_quietly().await;
+                Err(StoreError::from(e).into())
+            }
+        }
+    }
+
+    /// Releases the key if it is still pending with our token. Returns whether it was released.
+    pub async fn release(mut self) -> Result<bool, StoreError> {
+        self.armed = false;
+        self.store.release(&self.key, self.token).await
+    }
+
+    /// Parks the key as `needs_review` if it is still pending with our token.
+    pub async fn park(mut self, reason: &str) -> Result<bool, StoreError> {
+        self.armed = false;
+        self.store.park(&self.key, self.token, reason).await
+    }
+
+    async fn release_quietly(&mut self) {
+        self.armed = false;
+        if let Err(error) = self.store.release(&self.key, self.token).await {
+            tracing::warn!(%error, key = %self.key, "could not release idempotency key; it stays pending until its lease ends");
+        }
+    }
+}
+
+impl<S: Store> Drop for Lease<S> {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let (store, key, token) = (self.store.clone(), self.key.clone(), self.token);
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                runtime.spawn(async move {
+                    if let Err(error) = store.release(&key, token).await {
+                        tracing::warn!(%error, %key, "could not release abandoned idempotency key");
+                    }
+                });
+            }
+            Err(_) => {
+                tracing::warn!(%key, "idempotency lease dropped outside a tokio runtime; the key stays pending until its lease ends")
+            }
+        }
+    }
+}
+
+/// The engine: a store plus the lease and retention policy.
+///
+/// ```no_run
+/// # #[cfg(feature = "sqlite")]
+/// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+/// use idempotency::{store::{sqlite::SqliteStore, Store}, Attempt, Fingerprint, IdempotencyKey, Idempotency, Outcome};
+///
+/// let store = SqliteStore::connect("sqlite://shop.db?mode=rwc").await?;
+/// store.migrate().await?;
+/// let idem = Idempotency::new(store);
+///
+/// let request = serde_json::json!({"sku": "tea", "quantity": 2});
+/// let attempt = Attempt::new(
+///     IdempotencyKey::new("user-42", "purchase", "c0ffee")?,
+///     Fingerprint::of_json(&request)?,
+/// );
+/// let outcome = idem
+///     .run(&attempt, |tx| Box::pin(async move {
+///         sqlx::query("INSERT INTO orders (sku) VALUES ('tea')").execute(&mut **tx).await?;
+///         Ok::<_, sqlx::Error>(serde_json::json!({"order": 1}))
+///     }))
+///     .await?;
+/// match outcome {
+///     Outcome::Executed(order) => println!("charged: {order}"),
+///     Outcome::Replayed(order) => println!("already charged: {order}"),
+/// }
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct Idempotency<S> {
+    store: S,
+    lease: Duration,
+    retention: Duration,
+    max_retry_after: Duration,
+}
+
+impl<S: Store> Idempotency<S> {
+    /// An engine with a 60 s lease and 24 h retention.
+    pub fn new(store: S) -> Self {
+        Self {
+            store,
+            lease: Duration::from_secs(60),
+            retention: Duration::from_secs(24 * 60 * 60),
+            max_retry_after: Duration::from_secs(1),
+        }
+    }
+
+    /// How long a holder may work before its key may be taken over (local) or recovered.
+    pub fn with_lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
+        self
+    }
+
+    /// How long keys and results are kept after completion.
+    pub fn with_retention(mut self, retention: Duration) -> Self {
+        self.retention = retention;
+        self
+    }
+
+    /// The longest `retry_after` hint given with [`Error::InProgress`] (default 1 s).
+    pub fn with_max_retry_after(mut self, max: Duration) -> Self {
+        self.max_retry_after = max;
+        self
+    }
+
+    /// The store.
+    pub fn store(&self) -> &S {
+        &self.store
+    }
+
+    /// The lease length.
+    pub fn lease(&self) -> Duration {
+        self.lease
+    }
+
+    /// The retention.
+    pub fn retention(&self) -> Duration {
+        self.retention
+    }
+
+    /// Step 1: reserve the key, committed on its own, or learn why not.
+    ///
+    /// * new (or expired, or failed) key → [`Reservation::Acquired`];
+    /// * other fingerprint → [`Error::KeyReused`];
+    /// * completed → [`Reservation::Completed`] with the stored bytes;
+    /// * pending with a live lease → [`Error::InProgress`];
+    /// * pending with an ended lease: taken over when [`Effects::Local`], else
+    ///   [`Error::InProgress`] (the recovery job decides);
+    /// * needs review → [`Error::NeedsReview`].
+    pub async fn reserve(&self, attempt: &Attempt) -> Result<Reservation<S>, Error> {
+        for _ in 0..RESERVE_ATTEMPTS {
+            let row = PendingRow {
+                key: &attempt.key,
+                fingerprint: attempt.fingerprint,
+                token: LeaseToken::new(),
+                effects: attempt.effects,
+                lease: self.lease,
+                retention: self.retention,
+            };
+            let existing = match self.store.insert_pending(&row).await? {
+                Insertion::Inserted => return Ok(Reservation::Acquired(self.lease_for(&row))),
+                Insertion::Vanished => continue,
+                Insertion::Conflict(existing) => existing,
+            };
+            let reusable = match existing.state {
+                KeyState::Failed => true,
+                KeyState::Completed => existing.expired,
+                KeyState::Pending => existing.effects == Effects::Local && existing.lease_expired(),
+                KeyState::NeedsReview => false,
+            };
+            if reusable {
+                if self.store.take_over(&row, existing.lease_token).await? {
+                    tracing::debug!(key = %attempt.key, state = %existing.state, "idempotency key taken over");
+                    return Ok(Reservation::Acquired(self.lease_for(&row)));
+                }
+                continue;
+            }
+            if existing.fingerprint != attempt.fingerprint {
+                return Err(Error::KeyReused);
+            }
+            return match existing.state {
+                KeyState::Completed => {
+                    Ok(Reservation::Completed(existing.result.unwrap_or_default()))
+                }
+                KeyState::NeedsReview => Err(Error::NeedsReview),
+                _ => Err(Error::InProgress {
+                    retry_after: existing
+                        .lease_remaining
+                        .clamp(Duration::from_millis(1), self.max_retry_after),
+                }),
+            };
+        }
+        Err(StoreError::Contention(RESERVE_ATTEMPTS).into())
+    }
+
+    fn lease_for(&self, row: &PendingRow<'_>) -> Lease<S> {
+        Lease {
+            store: self.store.clone(),
+            key: row.key.clone(),
+            token: row.token,
+            retention: self.retention,
+            armed: true,
+        }
+    }
+
+    /// Runs `work` at most once per key: reserve, run in the business transaction, complete in
+    /// the same transaction, commit. On error, panic or cancellation the key is released.
+    ///
+    /// To store a *definitive* business refusal (so a replay refuses the same way), make it part
+    /// of the result: return `Ok(Err(refusal))` with `R = Result<T, Refusal>`.
+    pub async fn run<R, E, F>(&self, attempt: &Attempt, work: F) -> Result<Outcome<R>, Error<E>>
+    where
+        R: Serialize + DeserializeOwned + Send,
+        E: Send,
+        F: for<'t> FnOnce(
+                &'t mut sqlx::Transaction<'static, S::Database>,
+            ) -> BoxFuture<'t, Result<R, E>>
+            + Send,
+    {
+        self.run_with(attempt, |_| AfterError::Release, work).await
+    }
+
+    /// Like [`run`](Self::run), but `on_error` decides whether a failed work releases the key or
+    /// parks it as `needs_review` (an outside effect may have happened).
+    pub async fn run_with<R, E, F, C>(
+        &self,
+        attempt: &Attempt,
+        on_error: C,
+        work: F,
+    ) -> Result<Outcome<R>, Error<E>>
+    where
+        R: Serialize + DeserializeOwned + Send,
+        E: Send,
+        F: for<'t> FnOnce(
+                &'t mut sqlx::Transaction<'static, S::Database>,
+            ) -> BoxFuture<'t, Result<R, E>>
+            + Send,
+        C: FnOnce(&E) -> AfterError + Send,
+    {
+        // 1. Reserve, committed before any work.
+        let mut lease = match self.reserve(attempt).await.map_err(Error::widen)? {
+            Reservation::Completed(bytes) => {
+                let stored = serde_json::from_slice(&bytes).map_err(Error::Serialization)?;
+                return Ok(Outcome::Replayed(stored));
+            }
+            Reservation::Acquired(lease) => lease,
+        };
+
+        // 2. Run the work in the business transaction.
+        let mut tx = match self.store.begin().await {
+            Ok(tx) => tx,
+            Err(e) => {
+                lease.release_quietly().await;
+                return Err(e.into());
+            }
+        };
+        let ran = AssertUnwindSafe(work(&mut tx)).catch_unwind().await;
+        let value = match ran {
+            Ok(Ok(value)) => value,
+            Ok(Err(e)) => {
+                let _ = tx.rollback().await;
+                match on_error(&e) {
+                    AfterError::Release => lease.release_quietly().await,
+                    AfterError::Park(reason) => {
+                        if let Err(error) = lease.park(&reason).await {
+                            tracing::error!(%error, key = %attempt.key, "could not park idempotency key");
+                        }
+                    }
+                }
+                return Err(Error::Operation(e));
+            }
+            Err(panic) => {
+                let _ = tx.rollback().await;
+                lease.release_quietly().await;
+                std::panic::resume_unwind(panic);
+            }
+        };
+        let bytes = match serde_json::to_vec(&value) {
+            Ok(bytes) => bytes,
+            Err(e) => {
+                let _ = tx.rollback().await;
+                lease.release_quietly().await;
+                return Err(Error::Serialization(e));
+            }
+        };
+
+        // 3. Complete the key in the same transaction, and commit both.
+        lease.finish(tx, &bytes).await.map_err(Error::widen)?;
+        Ok(Outcome::Executed(value))
+    }
+}

@@ -1,0 +1,369 @@
+//! The storage contract, the rows it keeps, and one implementation per database.
+//!
+//! The [`protocol`](crate::protocol) decides; a [`Store`] only runs the statements. Every method
+//! that changes a row is *conditional*: it names the lease token it expects, so a stale worker, a
+//! recovery job and a retry can never both act on one key.
+
+#[cfg(feature = "mysql")]
+pub mod mysql;
+#[cfg(feature = "postgres")]
+pub mod postgres;
+#[cfg(feature = "sqlite")]
+pub mod sqlite;
+
+use crate::{error::StoreError, Fingerprint, IdempotencyKey};
+use chrono::{DateTime, Utc};
+use std::{fmt, future::Future, str::FromStr, time::Duration};
+use uuid::Uuid;
+
+/// The life of a key: `pending` → `completed`, or back to nothing (released), or `needs_review`
+/// (parked for a human) → `completed` / `failed`.
+///
+/// ```
+/// use idempotency::KeyState;
+/// assert_eq!("needs_review".parse::<KeyState>().unwrap(), KeyState::NeedsReview);
+/// assert_eq!(KeyState::Completed.as_str(), "completed");
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum KeyState {
+    /// Reserved; the work is running (or its worker died and the lease will expire).
+    Pending,
+    /// The work committed together with its result; replays return that result.
+    Completed,
+    /// Parked: an external effect may or may not have happened; never released automatically.
+    NeedsReview,
+    /// Resolved by an operator as not done; the key may be reserved again.
+    Failed,
+}
+
+impl KeyState {
+    /// All states, in life order.
+    pub const ALL: [KeyState; 4] = [
+        KeyState::Pending,
+        KeyState::Completed,
+        KeyState::NeedsReview,
+        KeyState::Failed,
+    ];
+
+    /// The name stored in the `state` column.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            KeyState::Pending => "pending",
+            KeyState::Completed => "completed",
+            KeyState::NeedsReview => "needs_review",
+            KeyState::Failed => "failed",
+        }
+    }
+}
+
+impl fmt::Display for KeyState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for KeyState {
+    type Err = StoreError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        KeyState::ALL
+            .into_iter()
+            .find(|state| state.as_str() == s)
+            .ok_or_else(|| StoreError::Corrupt(format!("unknown state {s:?}")))
+    }
+}
+
+/// What the protected work touches, which decides what may happen to a key whose worker vanished.
+///
+/// ```
+/// use idempotency::Effects;
+/// assert_eq!(Effects::default(), Effects::Local);
+/// assert_eq!("external".parse::<Effects>().unwrap(), Effects::External);
+/// ```
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub enum Effects {
+    /// Only our database: the work commits with the key's completion or not at all, so an expired
+    /// lease means nothing happened and the key can be taken over.
+    #[default]
+    Local,
+    /// An outside service (payment, mail) is called: an expired lease may hide an effect that did
+    /// happen, so only the recovery job (asking the provider) or a human may decide.
+    External,
+}
+
+impl Effects {
+    /// The name stored in the `effects` column.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Effects::Local => "local",
+            Effects::External => "external",
+        }
+    }
+}
+
+impl fmt::Display for Effects {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for Effects {
+    type Err = StoreError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "local" => Ok(Effects::Local),
+            "external" => Ok(Effects::External),
+            other => Err(StoreError::Corrupt(format!("unknown effects {other:?}"))),
+        }
+    }
+}
+
+/// A fresh random token naming one holder of a key. Completion, release and takeover all check
+/// it (fencing), so a worker whose lease was taken over cannot complete.
+///
+/// ```
+/// use idempotency::LeaseToken;
+/// assert_ne!(LeaseToken::new(), LeaseToken::new());
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct LeaseToken(pub Uuid);
+
+impl LeaseToken {
+    /// A new random (v4) token.
+    #[allow(clippy::new_without_default)]
+    pub fn new() -> Self {
+        Self(Uuid::new_v4())
+    }
+}
+
+impl fmt::Display for LeaseToken {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// One row of the key table, as a store read it. Durations are computed by the database's clock.
+///
+/// ```
+/// # use idempotency::*;
+/// # fn show(record: &KeyRecord) {
+/// if record.state == KeyState::Pending && record.lease_expired() {
+///     println!("{} was abandoned by its worker", record.key);
+/// }
+/// # }
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyRecord {
+    /// The key the row belongs to.
+    pub key: IdempotencyKey,
+    /// Where the row is in its life.
+    pub state: KeyState,
+    /// Whether the work calls outside services.
+    pub effects: Effects,
+    /// Fingerprint of the request that reserved it.
+    pub fingerprint: Fingerprint,
+    /// Token of the current holder.
+    pub lease_token: LeaseToken,
+    /// Time left on the lease, by the database clock; zero once it has ended.
+    pub lease_remaining: Duration,
+    /// Whether the row is past its retention (`expires_at <= now()`).
+    pub expired: bool,
+    /// The stored result, for completed rows.
+    pub result: Option<Vec<u8>>,
+    /// Why the row was parked or resolved.
+    pub reason: Option<String>,
+    /// How often the recovery job asked a resolver and got "unknown".
+    pub recovery_attempts: u32,
+    /// When the row was first reserved.
+    pub created_at: DateTime<Utc>,
+    /// When the row last changed.
+    pub updated_at: DateTime<Utc>,
+    /// When the lease ends (ended).
+    pub lease_until: DateTime<Utc>,
+    /// When the row may be purged.
+    pub expires_at: DateTime<Utc>,
+}
+
+impl KeyRecord {
+    /// Whether the lease has ended by the database clock.
+    pub fn lease_expired(&self) -> bool {
+        self.lease_remaining.is_zero()
+    }
+}
+
+/// What to write when reserving a key (or taking it over).
+///
+/// ```
+/// # use idempotency::*;
+/// # use std::time::Duration;
+/// let key = IdempotencyKey::new("user-1", "purchase", "k1")?;
+/// let row = PendingRow {
+///     key: &key,
+///     fingerprint: Fingerprint::of_bytes(b"request"),
+///     token: LeaseToken::new(),
+///     effects: Effects::Local,
+///     lease: Duration::from_secs(60),
+///     retention: Duration::from_secs(86_400),
+/// };
+/// assert_eq!(row.lease_millis(), 60_000);
+/// # Ok::<(), InvalidKey>(())
+/// ```
+#[derive(Debug, Clone, Copy)]
+pub struct PendingRow<'a> {
+    /// The key to reserve.
+    pub key: &'a IdempotencyKey,
+    /// Fingerprint of the request.
+    pub fingerprint: Fingerprint,
+    /// The token the new holder will present.
+    pub token: LeaseToken,
+    /// Whether the work calls outside services.
+    pub effects: Effects,
+    /// How long the holder may work before others may consider it dead.
+    pub lease: Duration,
+    /// How long the row is kept once written (reset at completion).
+    pub retention: Duration,
+}
+
+impl PendingRow<'_> {
+    /// The lease length in whole milliseconds, as bound into SQL.
+    pub fn lease_millis(&self) -> i64 {
+        millis(self.lease)
+    }
+
+    /// The retention in whole milliseconds, as bound into SQL.
+    pub fn retention_millis(&self) -> i64 {
+        millis(self.retention)
+    }
+}
+
+/// A duration as whole milliseconds for SQL, saturating.
+pub(crate) fn millis(duration: Duration) -> i64 {
+    i64::try_from(duration.as_millis()).unwrap_or(i64::MAX)
+}
+
+/// The answer of [`Store::insert_pending`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Insertion {
+    /// The row was inserted and committed: the caller holds the key.
+    Inserted,
+    /// A row already exists; here it is.
+    Conflict(KeyRecord),
+    /// The insert conflicted but the row was gone when read (released in between): try again.
+    Vanished,
+}
+
+/// The statements the protocol needs, one per step of the article.
+///
+/// Implementations must make [`insert_pending`](Store::insert_pending) a single INSERT against the
+/// unique `(scope, operation, key)` constraint, committed on its own, whatever the isolation level
+/// of the server; and every update conditional on the lease token. See
+/// [`postgres::PgStore`](crate::store::postgres) and [`sqlite::SqliteStore`](crate::store::sqlite).
+///
+/// ```no_run
+/// # #[cfg(feature = "sqlite")]
+/// # async fn demo() -> Result<(), idempotency::StoreError> {
+/// use idempotency::store::{Store, sqlite::SqliteStore};
+/// let store = SqliteStore::connect("sqlite://keys.db?mode=rwc").await?;
+/// store.migrate().await?;
+/// # Ok(()) }
+/// ```
+pub trait Store: Clone + Send + Sync + 'static {
+    /// The sqlx database the business transaction runs on.
+    type Database: sqlx::Database;
+
+    /// Creates or upgrades the key table (idempotent; safe from several processes at once).
+    fn migrate(&self) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// INSERTs a pending row under the unique constraint and commits it; on conflict, reads the
+    /// existing row. Must not fail with a serialization error under any server isolation level.
+    fn insert_pending(
+        &self,
+        row: &PendingRow<'_>,
+    ) -> impl Future<Output = Result<Insertion, StoreError>> + Send;
+
+    /// Reads one row.
+    fn find(
+        &self,
+        key: &IdempotencyKey,
+    ) -> impl Future<Output = Result<Option<KeyRecord>, StoreError>> + Send;
+
+    /// Re-reserves a row that may be reused, if it still carries `stale`: a `failed` row, a
+    /// `completed` row past its retention, or a `pending` *local* row whose lease ended. Writes
+    /// `row` (new token, fingerprint, lease) and returns whether it did.
+    fn take_over(
+        &self,
+        row: &PendingRow<'_>,
+        stale: LeaseToken,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// Opens the business transaction.
+    fn begin(
+        &self,
+    ) -> impl Future<Output = Result<sqlx::Transaction<'static, Self::Database>, StoreError>> + Send;
+
+    /// Inside the business transaction: marks the key completed with `result`, only where it is
+    /// pending with `token`. `false` means the lease was lost and the transaction must roll back.
+    fn complete(
+        &self,
+        tx: &mut sqlx::Transaction<'static, Self::Database>,
+        key: &IdempotencyKey,
+        token: LeaseToken,
+        result: &[u8],
+        retention: Duration,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// Deletes the row only where it is still pending with `token`; a completed key is never
+    /// released. Returns whether a row was deleted.
+    fn release(
+        &self,
+        key: &IdempotencyKey,
+        token: LeaseToken,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// Parks the row as `needs_review` with `reason`, only where it is pending with `token`.
+    fn park(
+        &self,
+        key: &IdempotencyKey,
+        token: LeaseToken,
+        reason: &str,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+}
+
+/// After an insert lost to an existing row: read that row, or report it gone.
+#[allow(dead_code)]
+pub(crate) async fn read_conflict<S: Store>(
+    store: &S,
+    key: &IdempotencyKey,
+) -> Result<Insertion, StoreError> {
+    Ok(match store.find(key).await? {
+        Some(existing) => Insertion::Conflict(existing),
+        None => Insertion::Vanished,
+    })
+}
+
+/// The statements of a migration file: comment lines dropped, then split on `;`. Migration files
+/// keep no `;` inside literals.
+#[allow(dead_code)]
+pub(crate) fn statements(sql: &str) -> Vec<String> {
+    let code: Vec<&str> = sql
+        .lines()
+        .filter(|line| !line.trim_start().starts_with("--"))
+        .collect();
+    code.join("\n")
+        .split(';')
+        .map(str::trim)
+        .filter(|statement| !statement.is_empty())
+        .map(str::to_owned)
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn splits_statements_and_drops_comments() {
+        let sql = "-- a comment; with a semicolon\nCREATE TABLE a (x INT);\n\n-- another\nCREATE INDEX i ON a (x);\n";
+        assert_eq!(
+            super::statements(sql),
+            vec!["CREATE TABLE a (x INT)", "CREATE INDEX i ON a (x)"]
+        );
+    }
+}

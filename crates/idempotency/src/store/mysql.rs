@@ -1,0 +1,1 @@
+//! MySQL / MariaDB store (feature `mysql`): to be written.

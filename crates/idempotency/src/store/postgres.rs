@@ -1,0 +1,304 @@
+//! PostgreSQL store (feature `postgres`).
+//!
+//! The reservation is one statement: `INSERT … ON CONFLICT DO NOTHING` joined with a read of the
+//! existing row, so a first request and a duplicate each cost one round trip. It runs in
+//! autocommit; under REPEATABLE READ or SERIALIZABLE server defaults a losing insert may fail with
+//! SQLSTATE 40001 instead of returning nothing, which is taken as "conflict, read the row".
+
+use super::{millis, Insertion, KeyRecord, LeaseToken, PendingRow, Store};
+use crate::{error::StoreError, Fingerprint, IdempotencyKey};
+use chrono::{DateTime, Utc};
+use sqlx::{postgres::PgRow, PgPool, Postgres, Row, Transaction};
+use std::time::Duration;
+
+/// The key table's migrations, applied in order by [`Store::migrate`].
+pub const MIGRATIONS: &[(i64, &str, &str)] = &[(
+    1,
+    "create idempotency_keys",
+    include_str!("../../migrations/postgres/0001_idempotency_keys.sql"),
+)];
+
+/// Lock id for `pg_advisory_xact_lock` while migrating ("idem" in ASCII).
+const MIGRATION_LOCK: i64 = 0x6964_656d;
+
+macro_rules! columns {
+    () => {
+        "k.scope, k.operation, k.idem_key, k.state, k.effects, k.fingerprint, k.lease_token, \
+         GREATEST(0, CEIL(EXTRACT(EPOCH FROM (k.lease_until - now())) * 1000))::BIGINT AS lease_remaining_ms, \
+         (k.expires_at <= now()) AS expired, k.result, k.reason, k.recovery_attempts, \
+         k.created_at, k.updated_at, k.lease_until, k.expires_at"
+    };
+}
+
+const RESERVE: &str = concat!(
+    "WITH inserted AS (
+        INSERT INTO idempotency_keys
+            (scope, operation, idem_key, state, effects, fingerprint, lease_token, lease_until, expires_at)
+        VALUES ($1, $2, $3, 'pending', $4, $5, $6,
+                now() + $7 * INTERVAL '1 millisecond', now() + $8 * INTERVAL '1 millisecond')
+        ON CONFLICT (scope, operation, idem_key) DO NOTHING
+        RETURNING 1
+    )
+    SELECT EXISTS (SELECT 1 FROM inserted) AS inserted, ",
+    columns!(),
+    " FROM (VALUES (1)) AS one (x)
+      LEFT JOIN idempotency_keys k ON k.scope = $1 AND k.operation = $2 AND k.idem_key = $3"
+);
+
+const FIND: &str = concat!(
+    "SELECT ",
+    columns!(),
+    " FROM idempotency_keys k WHERE k.scope = $1 AND k.operation = $2 AND k.idem_key = $3"
+);
+
+/// Keys in PostgreSQL, sharing the application's pool so the business work and the key's
+/// completion commit in one transaction.
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), idempotency::StoreError> {
+/// use idempotency::{store::{postgres::PgStore, Store}, Idempotency};
+/// let pool = sqlx::PgPool::connect("postgres://shop@127.0.0.1/shop").await?;
+/// let store = PgStore::new(pool);
+/// store.migrate().await?;
+/// let idem = Idempotency::new(store);
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct PgStore {
+    pool: PgPool,
+}
+
+impl PgStore {
+    /// A store on an existing pool (the application's own).
+    pub fn new(pool: PgPool) -> Self {
+        Self { pool }
+    }
+
+    /// Connects a new pool.
+    pub async fn connect(url: &str) -> Result<Self, StoreError> {
+        Ok(Self::new(PgPool::connect(url).await?))
+    }
+
+    /// The pool, for the application's own queries.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+}
+
+/// SQLSTATE 40001 (serialization failure) or 40P01 (deadlock): the statement lost a race.
+pub(crate) fn lost_race(error: &sqlx::Error) -> bool {
+    matches!(error, sqlx::Error::Database(db) if matches!(db.code().as_deref(), Some("40001" | "40P01")))
+}
+
+fn record(row: &PgRow) -> Result<KeyRecord, StoreError> {
+    let key = IdempotencyKey::new(
+        row.try_get::<String, _>("scope")?,
+        row.try_get::<String, _>("operation")?,
+        row.try_get::<String, _>("idem_key")?,
+    )
+    .map_err(|e| StoreError::Corrupt(e.to_string()))?;
+    let fingerprint: Vec<u8> = row.try_get("fingerprint")?;
+    Ok(KeyRecord {
+        key,
+        state: row.try_get::<String, _>("state")?.parse()?,
+        effects: row.try_get::<String, _>("effects")?.parse()?,
+        fingerprint: Fingerprint::try_from(fingerprint.as_slice())
+            .map_err(|_| StoreError::Corrupt("fingerprint is not 32 bytes".into()))?,
+        lease_token: LeaseToken(row.try_get("lease_token")?),
+        lease_remaining: Duration::from_millis(
+            row.try_get::<i64, _>("lease_remaining_ms")?.max(0) as u64
+        ),
+        expired: row.try_get("expired")?,
+        result: row.try_get("result")?,
+        reason: row.try_get("reason")?,
+        recovery_attempts: row.try_get::<i32, _>("recovery_attempts")?.max(0) as u32,
+        created_at: row.try_get::<DateTime<Utc>, _>("created_at")?,
+        updated_at: row.try_get("updated_at")?,
+        lease_until: row.try_get("lease_until")?,
+        expires_at: row.try_get("expires_at")?,
+    })
+}
+
+impl Store for PgStore {
+    type Database = Postgres;
+
+    async fn migrate(&self) -> Result<(), StoreError> {
+        let mut tx = self.pool.begin().await?;
+        sqlx::query("SELECT pg_advisory_xact_lock($1)")
+            .bind(MIGRATION_LOCK)
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query(
+            "CREATE TABLE IF NOT EXISTS idempotency_schema_migrations (
+                version BIGINT PRIMARY KEY,
+                description TEXT NOT NULL,
+                applied_at TIMESTAMPTZ NOT NULL DEFAULT now())",
+        )
+        .execute(&mut *tx)
+        .await?;
+        for &(version, description, sql) in MIGRATIONS {
+            let applied: Option<i64> = sqlx::query_scalar(
+                "SELECT version FROM idempotency_schema_migrations WHERE version = $1",
+            )
+            .bind(version)
+            .fetch_optional(&mut *tx)
+            .await?;
+            if applied.is_some() {
+                continue;
+            }
+            for statement in super::statements(sql) {
+                sqlx::query(&statement)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(|e| StoreError::Migration(format!("{version} {description}: {e}")))?;
+            }
+            sqlx::query(
+                "INSERT INTO idempotency_schema_migrations (version, description) VALUES ($1, $2)",
+            )
+            .bind(version)
+            .bind(description)
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
+    async fn insert_pending(&self, row: &PendingRow<'_>) -> Result<Insertion, StoreError> {
+        let answer = sqlx::query(RESERVE)
+            .bind(row.key.scope())
+            .bind(row.key.operation())
+            .bind(row.key.key())
+            .bind(row.effects.as_str())
+            .bind(row.fingerprint.as_bytes().as_slice())
+            .bind(row.token.0)
+            .bind(row.lease_millis())
+            .bind(row.retention_millis())
+            .fetch_one(&self.pool)
+            .await;
+        let answer = match answer {
+            Ok(answer) => answer,
+            Err(e) if lost_race(&e) => return super::read_conflict(self, row.key).await,
+            Err(e) => return Err(e.into()),
+        };
+        if answer.try_get::<bool, _>("inserted")? {
+            return Ok(Insertion::Inserted);
+        }
+        if answer.try_get::<Option<String>, _>("scope")?.is_some() {
+            return Ok(Insertion::Conflict(record(&answer)?));
+        }
+        // The conflicting row was committed after this statement's snapshot: read it anew.
+        super::read_conflict(self, row.key).await
+    }
+
+    async fn find(&self, key: &IdempotencyKey) -> Result<Option<KeyRecord>, StoreError> {
+        sqlx::query(FIND)
+            .bind(key.scope())
+            .bind(key.operation())
+            .bind(key.key())
+            .fetch_optional(&self.pool)
+            .await?
+            .as_ref()
+            .map(record)
+            .transpose()
+    }
+
+    async fn take_over(&self, row: &PendingRow<'_>, stale: LeaseToken) -> Result<bool, StoreError> {
+        let done = sqlx::query(
+            "UPDATE idempotency_keys SET
+                state = 'pending', effects = $4, fingerprint = $5, lease_token = $6,
+                lease_until = now() + $7 * INTERVAL '1 millisecond',
+                expires_at = now() + $8 * INTERVAL '1 millisecond',
+                result = NULL, reason = NULL, recovery_attempts = 0,
+                created_at = CASE WHEN state = 'pending' THEN created_at ELSE now() END,
+                updated_at = now()
+             WHERE scope = $1 AND operation = $2 AND idem_key = $3 AND lease_token = $9
+               AND (state = 'failed'
+                    OR (state = 'completed' AND expires_at <= now())
+                    OR (state = 'pending' AND effects = 'local' AND lease_until <= now()))",
+        )
+        .bind(row.key.scope())
+        .bind(row.key.operation())
+        .bind(row.key.key())
+        .bind(row.effects.as_str())
+        .bind(row.fingerprint.as_bytes().as_slice())
+        .bind(row.token.0)
+        .bind(row.lease_millis())
+        .bind(row.retention_millis())
+        .bind(stale.0)
+        .execute(&self.pool)
+        .await;
+        match done {
+            Ok(done) => Ok(done.rows_affected() == 1),
+            // Someone else changed the row first; the caller reads it again.
+            Err(e) if lost_race(&e) => Ok(false),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    async fn begin(&self) -> Result<Transaction<'static, Postgres>, StoreError> {
+        Ok(self.pool.begin().await?)
+    }
+
+    async fn complete(
+        &self,
+        tx: &mut Transaction<'static, Postgres>,
+        key: &IdempotencyKey,
+        token: LeaseToken,
+        result: &[u8],
+        retention: Duration,
+    ) -> Result<bool, StoreError> {
+        let done = sqlx::query(
+            "UPDATE idempotency_keys SET
+                state = 'completed', result = $5, updated_at = clock_timestamp(),
+                expires_at = clock_timestamp() + $6 * INTERVAL '1 millisecond'
+             WHERE scope = $1 AND operation = $2 AND idem_key = $3
+               AND state = 'pending' AND lease_token = $4",
+        )
+        .bind(key.scope())
+        .bind(key.operation())
+        .bind(key.key())
+        .bind(token.0)
+        .bind(result)
+        .bind(millis(retention))
+        .execute(&mut **tx)
+        .await?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn release(&self, key: &IdempotencyKey, token: LeaseToken) -> Result<bool, StoreError> {
+        let done = sqlx::query(
+            "DELETE FROM idempotency_keys
+             WHERE scope = $1 AND operation = $2 AND idem_key = $3
+               AND state = 'pending' AND lease_token = $4",
+        )
+        .bind(key.scope())
+        .bind(key.operation())
+        .bind(key.key())
+        .bind(token.0)
+        .execute(&self.pool)
+        .await?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn park(
+        &self,
+        key: &IdempotencyKey,
+        token: LeaseToken,
+        reason: &str,
+    ) -> Result<bool, StoreError> {
+        let done = sqlx::query(
+            "UPDATE idempotency_keys SET state = 'needs_review', reason = $5, updated_at = now()
+             WHERE scope = $1 AND operation = $2 AND idem_key = $3
+               AND state = 'pending' AND lease_token = $4",
+        )
+        .bind(key.scope())
+        .bind(key.operation())
+        .bind(key.key())
+        .bind(token.0)
+        .bind(reason)
+        .execute(&self.pool)
+        .await?;
+        Ok(done.rows_affected() == 1)
+    }
+}

@@ -1,0 +1,337 @@
+//! SQLite store (feature `sqlite`), the embedded default.
+//!
+//! SQLite has one writer at a time: the store opens the database in WAL mode with a busy timeout,
+//! and begins business transactions with `BEGIN IMMEDIATE` so two writers queue instead of failing
+//! with `SQLITE_BUSY` on a lock upgrade. A reservation first reads the row (readers never wait in
+//! WAL mode, so replays and duplicates are cheap), and only for an absent key INSERTs under the
+//! primary key, which decides alone who holds the key.
+
+use super::{millis, Insertion, KeyRecord, LeaseToken, PendingRow, Store};
+use crate::{error::StoreError, Fingerprint, IdempotencyKey};
+use chrono::{DateTime, Utc};
+use sqlx::{
+    sqlite::{
+        SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteRow, SqliteSynchronous,
+    },
+    Row, Sqlite, SqlitePool, Transaction,
+};
+use std::{str::FromStr, time::Duration};
+use uuid::Uuid;
+
+/// The key table's migrations, applied in order by [`Store::migrate`].
+pub const MIGRATIONS: &[(i64, &str, &str)] = &[(
+    1,
+    "create idempotency_keys",
+    include_str!("../../migrations/sqlite/0001_idempotency_keys.sql"),
+)];
+
+/// SQLite's clock in milliseconds since the Unix epoch.
+macro_rules! now_ms {
+    () => {
+        "CAST(unixepoch('subsec') * 1000 AS INTEGER)"
+    };
+}
+
+macro_rules! columns {
+    () => {
+        concat!(
+            "scope, operation, idem_key, state, effects, fingerprint, lease_token, \
+             MAX(0, lease_until - ",
+            now_ms!(),
+            ") AS lease_remaining_ms, \
+             (expires_at <= ",
+            now_ms!(),
+            ") AS expired, result, reason, recovery_attempts, \
+             created_at, updated_at, lease_until, expires_at"
+        )
+    };
+}
+
+const FIND: &str = concat!(
+    "SELECT ",
+    columns!(),
+    " FROM idempotency_keys WHERE scope = ?1 AND operation = ?2 AND idem_key = ?3"
+);
+
+/// Keys in a SQLite file, sharing the application's pool.
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), idempotency::StoreError> {
+/// use idempotency::store::{sqlite::SqliteStore, Store};
+/// let store = SqliteStore::connect("sqlite://shop.db").await?; // created if missing
+/// store.migrate().await?;
+/// sqlx::query("CREATE TABLE IF NOT EXISTS orders (id INTEGER PRIMARY KEY)").execute(store.pool()).await?;
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct SqliteStore {
+    pool: SqlitePool,
+}
+
+impl SqliteStore {
+    /// A store on an existing pool. Open it in WAL mode with a busy timeout (as
+    /// [`connect`](Self::connect) does) for concurrent use.
+    pub fn new(pool: SqlitePool) -> Self {
+        Self { pool }
+    }
+
+    /// Opens (creating if missing) a database file in WAL mode with a 30 s busy timeout.
+    pub async fn connect(url: &str) -> Result<Self, StoreError> {
+        let options = SqliteConnectOptions::from_str(url)?
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .synchronous(SqliteSynchronous::Normal)
+            .busy_timeout(Duration::from_secs(30));
+        let pool = SqlitePoolOptions::new()
+            .max_connections(8)
+            .connect_with(options)
+            .await?;
+        Ok(Self::new(pool))
+    }
+
+    /// The pool, for the application's own queries.
+    pub fn pool(&self) -> &SqlitePool {
+        &self.pool
+    }
+}
+
+fn time(row: &SqliteRow, column: &str) -> Result<DateTime<Utc>, StoreError> {
+    let ms: i64 = row.try_get(column)?;
+    DateTime::from_timestamp_millis(ms)
+        .ok_or_else(|| StoreError::Corrupt(format!("{column} {ms} is out of range")))
+}
+
+fn record(row: &SqliteRow) -> Result<KeyRecord, StoreError> {
+    let key = IdempotencyKey::new(
+        row.try_get::<String, _>("scope")?,
+        row.try_get::<String, _>("operation")?,
+        row.try_get::<String, _>("idem_key")?,
+    )
+    .map_err(|e| StoreError::Corrupt(e.to_string()))?;
+    let fingerprint: Vec<u8> = row.try_get("fingerprint")?;
+    let token: Vec<u8> = row.try_get("lease_token")?;
+    Ok(KeyRecord {
+        key,
+        state: row.try_get::<String, _>("state")?.parse()?,
+        effects: row.try_get::<String, _>("effects")?.parse()?,
+        fingerprint: Fingerprint::try_from(fingerprint.as_slice())
+            .map_err(|_| StoreError::Corrupt("fingerprint is not 32 bytes".into()))?,
+        lease_token: LeaseToken(
+            Uuid::from_slice(&token).map_err(|e| StoreError::Corrupt(e.to_string()))?,
+        ),
+        lease_remaining: Duration::from_millis(
+            row.try_get::<i64, _>("lease_remaining_ms")?.max(0) as u64
+        ),
+        expired: row.try_get("expired")?,
+        result: row.try_get("result")?,
+        reason: row.try_get("reason")?,
+        recovery_attempts: row.try_get::<i64, _>("recovery_attempts")?.max(0) as u32,
+        created_at: time(row, "created_at")?,
+        updated_at: time(row, "updated_at")?,
+        lease_until: time(row, "lease_until")?,
+        expires_at: time(row, "expires_at")?,
+    })
+}
+
+impl Store for SqliteStore {
+    type Database = Sqlite;
+
+    async fn migrate(&self) -> Result<(), StoreError> {
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        sqlx::query(
+            "CREATE TABLE IF NOT EXISTS idempotency_schema_migrations (
+                version INTEGER PRIMARY KEY,
+                description TEXT NOT NULL,
+                applied_at INTEGER NOT NULL)",
+        )
+        .execute(&mut *tx)
+        .await?;
+        for &(version, description, sql) in MIGRATIONS {
+            let applied: Option<i64> = sqlx::query_scalar(
+                "SELECT version FROM idempotency_schema_migrations WHERE version = ?1",
+            )
+            .bind(version)
+            .fetch_optional(&mut *tx)
+            .await?;
+            if applied.is_some() {
+                continue;
+            }
+            for statement in super::statements(sql) {
+                sqlx::query(&statement)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(|e| StoreError::Migration(format!("{version} {description}: {e}")))?;
+            }
+            sqlx::query(concat!(
+                "INSERT INTO idempotency_schema_migrations (version, description, applied_at) VALUES (?1, ?2, ",
+                now_ms!(),
+                ")"
+            ))
+            .bind(version)
+            .bind(description)
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
+    async fn insert_pending(&self, row: &PendingRow<'_>) -> Result<Insertion, StoreError> {
+        // Fast path for duplicates and replays: a read, which never waits for the writer.
+        if let Some(existing) = self.find(row.key).await? {
+            return Ok(Insertion::Conflict(existing));
+        }
+        let done = sqlx::query(concat!(
+            "INSERT INTO idempotency_keys
+                (scope, operation, idem_key, state, effects, fingerprint, lease_token,
+                 lease_until, created_at, updated_at, expires_at)
+             VALUES (?1, ?2, ?3, 'pending', ?4, ?5, ?6, ",
+            now_ms!(),
+            " + ?7, ",
+            now_ms!(),
+            ", ",
+            now_ms!(),
+            ", ",
+            now_ms!(),
+            " + ?8)
+             ON CONFLICT (scope, operation, idem_key) DO NOTHING"
+        ))
+        .bind(row.key.scope())
+        .bind(row.key.operation())
+        .bind(row.key.key())
+        .bind(row.effects.as_str())
+        .bind(row.fingerprint.as_bytes().as_slice())
+        .bind(row.token.0.as_bytes().as_slice())
+        .bind(row.lease_millis())
+        .bind(row.retention_millis())
+        .execute(&self.pool)
+        .await?;
+        if done.rows_affected() == 1 {
+            return Ok(Insertion::Inserted);
+        }
+        super::read_conflict(self, row.key).await
+    }
+
+    async fn find(&self, key: &IdempotencyKey) -> Result<Option<KeyRecord>, StoreError> {
+        sqlx::query(FIND)
+            .bind(key.scope())
+            .bind(key.operation())
+            .bind(key.key())
+            .fetch_optional(&self.pool)
+            .await?
+            .as_ref()
+            .map(record)
+            .transpose()
+    }
+
+    async fn take_over(&self, row: &PendingRow<'_>, stale: LeaseToken) -> Result<bool, StoreError> {
+        let done = sqlx::query(concat!(
+            "UPDATE idempotency_keys SET
+                state = 'pending', effects = ?4, fingerprint = ?5, lease_token = ?6,
+                lease_until = ",
+            now_ms!(),
+            " + ?7,
+                expires_at = ",
+            now_ms!(),
+            " + ?8,
+                result = NULL, reason = NULL, recovery_attempts = 0,
+                created_at = CASE WHEN state = 'pending' THEN created_at ELSE ",
+            now_ms!(),
+            " END,
+                updated_at = ",
+            now_ms!(),
+            "
+             WHERE scope = ?1 AND operation = ?2 AND idem_key = ?3 AND lease_token = ?9
+               AND (state = 'failed'
+                    OR (state = 'completed' AND expires_at <= ",
+            now_ms!(),
+            ")
+                    OR (state = 'pending' AND effects = 'local' AND lease_until <= ",
+            now_ms!(),
+            "))"
+        ))
+        .bind(row.key.scope())
+        .bind(row.key.operation())
+        .bind(row.key.key())
+        .bind(row.effects.as_str())
+        .bind(row.fingerprint.as_bytes().as_slice())
+        .bind(row.token.0.as_bytes().as_slice())
+        .bind(row.lease_millis())
+        .bind(row.retention_millis())
+        .bind(stale.0.as_bytes().as_slice())
+        .execute(&self.pool)
+        .await?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn begin(&self) -> Result<Transaction<'static, Sqlite>, StoreError> {
+        Ok(self.pool.begin_with("BEGIN IMMEDIATE").await?)
+    }
+
+    async fn complete(
+        &self,
+        tx: &mut Transaction<'static, Sqlite>,
+        key: &IdempotencyKey,
+        token: LeaseToken,
+        result: &[u8],
+        retention: Duration,
+    ) -> Result<bool, StoreError> {
+        let done = sqlx::query(concat!(
+            "UPDATE idempotency_keys SET
+                state = 'completed', result = ?5, updated_at = ",
+            now_ms!(),
+            ",
+                expires_at = ",
+            now_ms!(),
+            " + ?6
+             WHERE scope = ?1 AND operation = ?2 AND idem_key = ?3
+               AND state = 'pending' AND lease_token = ?4"
+        ))
+        .bind(key.scope())
+        .bind(key.operation())
+        .bind(key.key())
+        .bind(token.0.as_bytes().as_slice())
+        .bind(result)
+        .bind(millis(retention))
+        .execute(&mut **tx)
+        .await?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn release(&self, key: &IdempotencyKey, token: LeaseToken) -> Result<bool, StoreError> {
+        let done = sqlx::query(
+            "DELETE FROM idempotency_keys
+             WHERE scope = ?1 AND operation = ?2 AND idem_key = ?3
+               AND state = 'pending' AND lease_token = ?4",
+        )
+        .bind(key.scope())
+        .bind(key.operation())
+        .bind(key.key())
+        .bind(token.0.as_bytes().as_slice())
+        .execute(&self.pool)
+        .await?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn park(
+        &self,
+        key: &IdempotencyKey,
+        token: LeaseToken,
+        reason: &str,
+    ) -> Result<bool, StoreError> {
+        let done = sqlx::query(concat!(
+            "UPDATE idempotency_keys SET state = 'needs_review', reason = ?5, updated_at = ",
+            now_ms!(),
+            " WHERE scope = ?1 AND operation = ?2 AND idem_key = ?3
+               AND state = 'pending' AND lease_token = ?4"
+        ))
+        .bind(key.scope())
+        .bind(key.operation())
+        .bind(key.key())
+        .bind(token.0.as_bytes().as_slice())
+        .bind(reason)
+        .execute(&self.pool)
+        .await?;
+        Ok(done.rows_affected() == 1)
+    }
+}

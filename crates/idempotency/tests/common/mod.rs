@@ -1,0 +1,230 @@
+//! One harness for every backend: a fresh store with a business table `effects`, and a macro that
+//! instantiates each generic test once per backend.
+#![allow(dead_code)]
+
+use futures_util::future::BoxFuture;
+use idempotency::store::{postgres::PgStore, sqlite::SqliteStore, Store};
+use idempotency::{Attempt, Error, Fingerprint, Idempotency, IdempotencyKey, Outcome};
+use serde_json::json;
+use sqlx::Transaction;
+use std::{sync::Arc, time::Duration};
+
+/// A store on a fresh database, with a business table to count effects in.
+pub trait Harness: Store + Sized {
+    /// Backend name for messages.
+    const NAME: &'static str;
+
+    /// A migrated store on a fresh database, or `None` when the backend is not configured (never
+    /// under CI).
+    fn open() -> impl std::future::Future<Output = Option<Self>> + Send;
+
+    /// The business write: one row in `effects` for `trial`, inside the business transaction.
+    fn insert_effect<'t>(
+        tx: &'t mut Transaction<'static, Self::Database>,
+        trial: &'t str,
+    ) -> BoxFuture<'t, Result<(), sqlx::Error>>;
+
+    /// How many effects `trial` has.
+    fn count_effects(&self, trial: &str) -> impl std::future::Future<Output = i64> + Send;
+}
+
+impl Harness for PgStore {
+    const NAME: &'static str = "postgres";
+
+    async fn open() -> Option<Self> {
+        let url = test_support::fresh_postgres_url().await?;
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(24)
+            .connect(&url)
+            .await
+            .expect("connect to fresh postgres database");
+        let store = PgStore::new(pool);
+        store.migrate().await.expect("migrate");
+        sqlx::query("CREATE TABLE effects (id BIGSERIAL PRIMARY KEY, trial TEXT NOT NULL)")
+            .execute(store.pool())
+            .await
+            .expect("effects table");
+        Some(store)
+    }
+
+    fn insert_effect<'t>(
+        tx: &'t mut Transaction<'static, sqlx::Postgres>,
+        trial: &'t str,
+    ) -> BoxFuture<'t, Result<(), sqlx::Error>> {
+        Box::pin(async move {
+            sqlx::query("INSERT INTO effects (trial) VALUES ($1)")
+                .bind(trial)
+                .execute(&mut **tx)
+                .await
+                .map(drop)
+        })
+    }
+
+    async fn count_effects(&self, trial: &str) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM effects WHERE trial = $1")
+            .bind(trial)
+            .fetch_one(self.pool())
+            .await
+            .expect("count effects")
+    }
+}
+
+/// Keeps every SQLite test file alive for the whole test binary.
+static SQLITE_FILES: std::sync::Mutex<Vec<test_support::SqliteFile>> =
+    std::sync::Mutex::new(Vec::new());
+
+impl Harness for SqliteStore {
+    const NAME: &'static str = "sqlite";
+
+    async fn open() -> Option<Self> {
+        let file = test_support::fresh_sqlite();
+        let store = SqliteStore::connect(&file.url).await.expect("open sqlite");
+        SQLITE_FILES.lock().unwrap().push(file);
+        store.migrate().await.expect("migrate");
+        sqlx::query("CREATE TABLE effects (id INTEGER PRIMARY KEY, trial TEXT NOT NULL)")
+            .execute(store.pool())
+            .await
+            .expect("effects table");
+        Some(store)
+    }
+
+    fn insert_effect<'t>(
+        tx: &'t mut Transaction<'static, sqlx::Sqlite>,
+        trial: &'t str,
+    ) -> BoxFuture<'t, Result<(), sqlx::Error>> {
+        Box::pin(async move {
+            sqlx::query("INSERT INTO effects (trial) VALUES (?1)")
+                .bind(trial)
+                .execute(&mut **tx)
+                .await
+                .map(drop)
+        })
+    }
+
+    async fn count_effects(&self, trial: &str) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM effects WHERE trial = ?1")
+            .bind(trial)
+            .fetch_one(self.pool())
+            .await
+            .expect("count effects")
+    }
+}
+
+/// Instantiates each named generic test `async fn name<S: Harness>(store: S)` once per backend.
+#[macro_export]
+macro_rules! backend_tests {
+    ($($test:ident),* $(,)?) => {
+        mod postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $test() {
+                    if let Some(store) = <idempotency::store::postgres::PgStore as $crate::common::Harness>::open().await {
+                        super::$test(store).await;
+                    }
+                }
+            )*
+        }
+        mod sqlite {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $test() {
+                    if let Some(store) = <idempotency::store::sqlite::SqliteStore as $crate::common::Harness>::open().await {
+                        super::$test(store).await;
+                    }
+                }
+            )*
+        }
+    };
+}
+
+pub fn attempt(scope: &str, key: &str, body: serde_json::Value) -> Attempt {
+    Attempt::new(
+        IdempotencyKey::new(scope, "purchase", key).unwrap(),
+        Fingerprint::of_json(&body).unwrap(),
+    )
+}
+
+pub fn unique(prefix: &str) -> String {
+    format!("{prefix}-{}", uuid::Uuid::new_v4().simple())
+}
+
+/// Runs a purchase that writes one effect for `trial` and returns `{"trial": …, "n": n}`.
+pub async fn purchase<S: Harness>(
+    idem: &Idempotency<S>,
+    attempt: &Attempt,
+    trial: &str,
+    n: u64,
+) -> Result<Outcome<serde_json::Value>, Error<sqlx::Error>> {
+    let trial = trial.to_owned();
+    idem.run(attempt, move |tx| {
+        Box::pin(async move {
+            S::insert_effect(tx, &trial).await?;
+            Ok(json!({"trial": trial, "n": n}))
+        })
+    })
+    .await
+}
+
+pub async fn race<S: Harness>(store: S, trials: usize, tasks: usize) {
+    let idem = Idempotency::new(store.clone());
+    let (mut executed, mut replayed, mut in_progress) = (0, 0, 0);
+    for trial in 0..trials {
+        let trial = format!("{}-{trial}", unique("race"));
+        let barrier = Arc::new(tokio::sync::Barrier::new(tasks));
+        let handles: Vec<_> = (0..tasks)
+            .map(|_| {
+                let (idem, barrier, trial) = (idem.clone(), barrier.clone(), trial.clone());
+                tokio::spawn(async move {
+                    let a = attempt("racer", &trial, json!({"trial": trial}));
+                    barrier.wait().await;
+                    let t = trial.clone();
+                    idem.run(&a, move |tx| {
+                        Box::pin(async move {
+                            S::insert_effect(tx, &t).await?;
+                            tokio::time::sleep(Duration::from_millis(3)).await;
+                            Ok::<_, sqlx::Error>(json!({"trial": t}))
+                        })
+                    })
+                    .await
+                })
+            })
+            .collect();
+        for handle in handles {
+            match handle.await.unwrap() {
+                Ok(Outcome::Executed(_)) => executed += 1,
+                Ok(Outcome::Replayed(v)) => {
+                    assert_eq!(v, json!({"trial": trial}));
+                    replayed += 1
+                }
+                Err(Error::InProgress { .. }) => in_progress += 1,
+                Err(other) => panic!("{}: trial {trial}: unexpected {other:?}", S::NAME),
+            }
+        }
+        assert_eq!(
+            store.count_effects(&trial).await,
+            1,
+            "{}: trial {trial}",
+            S::NAME
+        );
+    }
+    assert_eq!(executed, trials, "exactly one execution per trial");
+    eprintln!(
+        "{}: {trials} trials x {tasks} tasks: executed {executed}, replayed {replayed}, in progress {in_progress}",
+        S::NAME
+    );
+}
+
+pub async fn wait_until<F, Fut>(limit: Duration, mut check: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + limit;
+    while tokio::time::Instant::now() < deadline {
+        if check().await {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    false
+}

@@ -1,0 +1,50 @@
+//! PostgreSQL with REPEATABLE READ / SERIALIZABLE as the server default: a losing
+//! `INSERT … ON CONFLICT DO NOTHING` may fail with 40001 there; the reservation must still answer
+//! cleanly (no serialization error reaches the caller) and the work must still run exactly once.
+
+mod common;
+
+use common::Harness;
+use idempotency::store::{postgres::PgStore, Store};
+
+async fn store_with_default_isolation(level: &str) -> Option<PgStore> {
+    let store = <PgStore as Harness>::open().await?;
+    let database: String = sqlx::query_scalar("SELECT current_database()")
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    sqlx::query(&format!(
+        "ALTER DATABASE {database} SET default_transaction_isolation TO '{level}'"
+    ))
+    .execute(store.pool())
+    .await
+    .unwrap();
+    let options = (*store.pool().connect_options()).clone();
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(24)
+        .connect_with(options)
+        .await
+        .unwrap();
+    let shown: String = sqlx::query_scalar("SHOW default_transaction_isolation")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(shown, level);
+    let store = PgStore::new(pool);
+    store.migrate().await.unwrap();
+    Some(store)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn race_under_serializable_default() {
+    if let Some(store) = store_with_default_isolation("serializable").await {
+        common::race(store, 200, 8).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn race_under_repeatable_read_default() {
+    if let Some(store) = store_with_default_isolation("repeatable read").await {
+        common::race(store, 200, 8).await;
+    }
+}

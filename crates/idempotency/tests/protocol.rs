@@ -1,0 +1,356 @@
+//! The protocol's behaviour, on every backend (see `common::backend_tests!`).
+
+mod common;
+
+use common::{attempt, purchase, race, unique, wait_until, Harness};
+use idempotency::{
+    AfterError, Attempt, Effects, Error, Fingerprint, Idempotency, IdempotencyKey, KeyState,
+    Outcome, Reservation, Store,
+};
+use serde_json::json;
+use std::{
+    sync::{
+        atomic::{AtomicUsize, Ordering},
+        Arc,
+    },
+    time::Duration,
+};
+
+async fn replay_returns_the_stored_result<S: Harness>(store: S) {
+    let idem = Idempotency::new(store.clone());
+    let trial = unique("replay");
+    let a = attempt("user-1", &trial, json!({"sku": "tea", "quantity": 1}));
+    let first = purchase(&idem, &a, &trial, 1).await.unwrap();
+    assert_eq!(first, Outcome::Executed(json!({"trial": trial, "n": 1})));
+    // A retry whose work would return something else gets the stored result, and runs nothing.
+    let again = purchase(&idem, &a, &trial, 2).await.unwrap();
+    assert_eq!(again, Outcome::Replayed(json!({"trial": trial, "n": 1})));
+    // Same request with keys in another order and other whitespace is the same request.
+    let reordered = Attempt::new(
+        a.key.clone(),
+        Fingerprint::of_json_bytes(b"{ \"quantity\": 1, \"sku\": \"tea\" }").unwrap(),
+    );
+    assert!(purchase(&idem, &reordered, &trial, 3)
+        .await
+        .unwrap()
+        .is_replayed());
+    assert_eq!(store.count_effects(&trial).await, 1);
+}
+
+async fn another_payload_under_the_same_key_is_rejected<S: Harness>(store: S) {
+    let idem = Idempotency::new(store.clone());
+    let trial = unique("reused");
+    purchase(
+        &idem,
+        &attempt("user-1", &trial, json!({"q": 1})),
+        &trial,
+        1,
+    )
+    .await
+    .unwrap();
+    let err = purchase(
+        &idem,
+        &attempt("user-1", &trial, json!({"q": 2})),
+        &trial,
+        2,
+    )
+    .await
+    .unwrap_err();
+    assert!(matches!(err, Error::KeyReused), "{err:?}");
+    assert_eq!(store.count_effects(&trial).await, 1);
+}
+
+async fn scopes_and_operations_are_independent<S: Harness>(store: S) {
+    let idem = Idempotency::new(store.clone());
+    let trial = unique("scoped");
+    let body = json!({"sku": "tea"});
+    let alice = attempt("alice", &trial, body.clone());
+    let bob = attempt("bob", &trial, body.clone());
+    let refund = Attempt::new(
+        IdempotencyKey::new("alice", "refund", &trial).unwrap(),
+        Fingerprint::of_json(&body).unwrap(),
+    );
+    assert!(!purchase(&idem, &alice, &trial, 1)
+        .await
+        .unwrap()
+        .is_replayed());
+    let for_bob = purchase(&idem, &bob, &trial, 2).await.unwrap();
+    assert_eq!(
+        for_bob,
+        Outcome::Executed(json!({"trial": trial, "n": 2})),
+        "bob must not see alice's result"
+    );
+    assert!(!purchase(&idem, &refund, &trial, 3)
+        .await
+        .unwrap()
+        .is_replayed());
+    assert_eq!(store.count_effects(&trial).await, 3);
+}
+
+async fn a_failing_operation_releases_the_key<S: Harness>(store: S) {
+    let idem = Idempotency::new(store.clone());
+    let trial = unique("fails");
+    let a = attempt("user-1", &trial, json!({}));
+    let t = trial.clone();
+    let err = idem
+        .run(&a, move |tx| {
+            Box::pin(async move {
+                S::insert_effect(tx, &t).await.unwrap();
+                Err::<serde_json::Value, _>("card declined by a flaky network")
+            })
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(
+        err,
+        Error::Operation("card declined by a flaky network")
+    ));
+    assert_eq!(
+        store.count_effects(&trial).await,
+        0,
+        "the failed work was rolled back"
+    );
+    assert!(
+        store.find(&a.key).await.unwrap().is_none(),
+        "the key was released"
+    );
+    let retry = purchase(&idem, &a, &trial, 2).await.unwrap();
+    assert_eq!(retry, Outcome::Executed(json!({"trial": trial, "n": 2})));
+    assert_eq!(store.count_effects(&trial).await, 1);
+}
+
+async fn a_panicking_operation_releases_the_key<S: Harness>(store: S) {
+    let idem = Idempotency::new(store.clone());
+    let trial = unique("panics");
+    let a = attempt("user-1", &trial, json!({}));
+    let (idem2, a2, t) = (idem.clone(), a.clone(), trial.clone());
+    let joined = tokio::spawn(async move {
+        idem2
+            .run(&a2, move |tx| {
+                Box::pin(async move {
+                    S::insert_effect(tx, &t).await?;
+                    if t.starts_with("panics") {
+                        panic!("bug in the handler");
+                    }
+                    Ok::<_, sqlx::Error>(json!(null))
+                })
+            })
+            .await
+    })
+    .await;
+    assert!(joined.unwrap_err().is_panic());
+    assert!(
+        store.find(&a.key).await.unwrap().is_none(),
+        "the key was released"
+    );
+    assert_eq!(store.count_effects(&trial).await, 0);
+    assert!(!purchase(&idem, &a, &trial, 2).await.unwrap().is_replayed());
+}
+
+async fn a_cancelled_operation_releases_the_key<S: Harness>(store: S) {
+    let idem = Idempotency::new(store.clone());
+    let trial = unique("cancelled");
+    let a = attempt("user-1", &trial, json!({}));
+    let (started_tx, started) = tokio::sync::oneshot::channel();
+    let (idem2, a2, t) = (idem.clone(), a.clone(), trial.clone());
+    let task = tokio::spawn(async move {
+        idem2
+            .run(&a2, move |tx| {
+                Box::pin(async move {
+                    S::insert_effect(tx, &t).await?;
+                    started_tx.send(()).unwrap();
+                    tokio::time::sleep(Duration::from_secs(3600)).await;
+                    Ok::<_, sqlx::Error>(json!(null))
+                })
+            })
+            .await
+    });
+    started.await.unwrap();
+    assert_eq!(
+        store.find(&a.key).await.unwrap().map(|r| r.state),
+        Some(KeyState::Pending)
+    );
+    task.abort(); // the client went away: the future is dropped mid-work
+    assert!(task.await.unwrap_err().is_cancelled());
+    let released = wait_until(Duration::from_secs(10), || async {
+        store.find(&a.key).await.unwrap().is_none()
+    })
+    .await;
+    assert!(
+        released,
+        "a dropped future must release its key well before the lease ends"
+    );
+    assert_eq!(store.count_effects(&trial).await, 0);
+    assert!(!purchase(&idem, &a, &trial, 2).await.unwrap().is_replayed());
+}
+
+async fn a_completed_key_is_never_released<S: Harness>(store: S) {
+    let idem = Idempotency::new(store.clone());
+    let trial = unique("kept");
+    let a = attempt("user-1", &trial, json!({}));
+    purchase(&idem, &a, &trial, 1).await.unwrap();
+    let row = store.find(&a.key).await.unwrap().unwrap();
+    assert_eq!(row.state, KeyState::Completed);
+    // Even with the right token (as after a lost COMMIT acknowledgement), release is a no-op.
+    assert!(!store.release(&a.key, row.lease_token).await.unwrap());
+    let row = store.find(&a.key).await.unwrap().unwrap();
+    assert_eq!(row.state, KeyState::Completed);
+    assert!(purchase(&idem, &a, &trial, 2).await.unwrap().is_replayed());
+}
+
+async fn an_expired_lease_is_taken_over_and_the_stale_holder_is_fenced<S: Harness>(store: S) {
+    let lease = Duration::from_millis(300);
+    let idem = Idempotency::new(store.clone()).with_lease(lease);
+    let trial = unique("takeover");
+    let a = attempt("user-1", &trial, json!({"sku": "tea"}));
+
+    // The slow worker reserves, then stalls past its lease.
+    let Reservation::Acquired(stale) = idem.reserve(&a).await.unwrap() else {
+        panic!("first reservation must acquire")
+    };
+    match purchase(&idem, &a, &trial, 2).await {
+        Err(Error::InProgress { retry_after }) => assert!(retry_after <= Duration::from_secs(1)),
+        other => panic!("a live lease must answer InProgress, got {other:?}"),
+    }
+    tokio::time::sleep(lease + Duration::from_millis(100)).await;
+
+    // A retry takes the expired lease over and runs.
+    let retry = purchase(&idem, &a, &trial, 2).await.unwrap();
+    assert_eq!(retry, Outcome::Executed(json!({"trial": trial, "n": 2})));
+
+    // The stale worker wakes up, writes its business row and tries to complete: refused, and
+    // its write is rolled back.
+    let mut tx = store.begin().await.unwrap();
+    S::insert_effect(&mut tx, &trial).await.unwrap();
+    let err = stale.finish(tx, b"{\"n\":1}").await.unwrap_err();
+    assert!(matches!(err, Error::LeaseLost), "{err:?}");
+    assert_eq!(
+        store.count_effects(&trial).await,
+        1,
+        "only the retry's write survives"
+    );
+    assert_eq!(
+        purchase(&idem, &a, &trial, 3).await.unwrap(),
+        Outcome::Replayed(json!({"trial": trial, "n": 2}))
+    );
+}
+
+async fn an_external_operation_is_not_taken_over<S: Harness>(store: S) {
+    let lease = Duration::from_millis(200);
+    let idem = Idempotency::new(store.clone()).with_lease(lease);
+    let trial = unique("external");
+    let a = attempt("user-1", &trial, json!({})).effects(Effects::External);
+    let Reservation::Acquired(lease_held) = idem.reserve(&a).await.unwrap() else {
+        panic!("acquire")
+    };
+    tokio::time::sleep(lease + Duration::from_millis(100)).await;
+    let err = purchase(&idem, &a, &trial, 2).await.unwrap_err();
+    assert!(matches!(err, Error::InProgress { .. }), "{err:?}");
+    assert_eq!(store.count_effects(&trial).await, 0);
+    std::mem::forget(lease_held); // the worker "died": no release
+    let row = store.find(&a.key).await.unwrap().unwrap();
+    assert_eq!(row.state, KeyState::Pending);
+    assert!(row.lease_expired());
+}
+
+async fn an_expired_key_runs_anew<S: Harness>(store: S) {
+    let idem = Idempotency::new(store.clone()).with_retention(Duration::from_millis(200));
+    let trial = unique("expired");
+    let a = attempt("user-1", &trial, json!({"v": 1}));
+    purchase(&idem, &a, &trial, 1).await.unwrap();
+    assert!(purchase(&idem, &a, &trial, 2).await.unwrap().is_replayed());
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert!(store.find(&a.key).await.unwrap().unwrap().expired);
+    // Past retention the key is as good as new, even for another payload.
+    let b = attempt("user-1", &trial, json!({"v": 2}));
+    assert_eq!(
+        purchase(&idem, &b, &trial, 3).await.unwrap(),
+        Outcome::Executed(json!({"trial": trial, "n": 3}))
+    );
+    assert_eq!(store.count_effects(&trial).await, 2);
+}
+
+#[derive(Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+enum Refusal {
+    InsufficientFunds,
+}
+
+async fn a_definitive_refusal_is_stored_and_replayed<S: Harness>(store: S) {
+    let idem = Idempotency::new(store.clone());
+    let trial = unique("refused");
+    let a = attempt("user-1", &trial, json!({"amount": 10_000_000}));
+    let calls = Arc::new(AtomicUsize::new(0));
+    for expected_replay in [false, true] {
+        let calls = calls.clone();
+        let outcome = idem
+            .run(&a, move |_tx| {
+                Box::pin(async move {
+                    calls.fetch_add(1, Ordering::SeqCst);
+                    Ok::<Result<u64, Refusal>, sqlx::Error>(Err(Refusal::InsufficientFunds))
+                })
+            })
+            .await
+            .unwrap();
+        assert_eq!(outcome.is_replayed(), expected_replay);
+        assert_eq!(outcome.into_inner(), Err(Refusal::InsufficientFunds));
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+}
+
+async fn an_unknown_external_outcome_parks_the_key<S: Harness>(store: S) {
+    let idem = Idempotency::new(store.clone());
+    let trial = unique("parked");
+    let a = attempt("user-1", &trial, json!({"to": "a@example.com"})).effects(Effects::External);
+    let err = idem
+        .run_with(
+            &a,
+            |e: &&str| AfterError::Park(format!("mail provider: {e}")),
+            |_tx| Box::pin(async { Err::<(), _>("timed out after sending") }),
+        )
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Operation(_)));
+    let row = store.find(&a.key).await.unwrap().unwrap();
+    assert_eq!(row.state, KeyState::NeedsReview);
+    assert_eq!(
+        row.reason.as_deref(),
+        Some("mail provider: timed out after sending")
+    );
+    let again = purchase(&idem, &a, &trial, 2).await.unwrap_err();
+    assert!(matches!(again, Error::NeedsReview), "{again:?}");
+    assert_eq!(store.count_effects(&trial).await, 0);
+}
+
+async fn migrate_is_idempotent_and_concurrent<S: Harness>(store: S) {
+    let runs: Vec<_> = (0..4)
+        .map(|_| {
+            let store = store.clone();
+            tokio::spawn(async move { store.migrate().await })
+        })
+        .collect();
+    for run in runs {
+        run.await.unwrap().unwrap();
+    }
+}
+
+/// ≥ 200 trials of ≥ 8 tasks racing one new key: the effect happens exactly once per trial.
+async fn concurrent_duplicates_execute_exactly_once<S: Harness>(store: S) {
+    race(store, 200, 8).await;
+}
+
+backend_tests!(
+    replay_returns_the_stored_result,
+    another_payload_under_the_same_key_is_rejected,
+    scopes_and_operations_are_independent,
+    a_failing_operation_releases_the_key,
+    a_panicking_operation_releases_the_key,
+    a_cancelled_operation_releases_the_key,
+    a_completed_key_is_never_released,
+    an_expired_lease_is_taken_over_and_the_stale_holder_is_fenced,
+    an_external_operation_is_not_taken_over,
+    an_expired_key_runs_anew,
+    a_definitive_refusal_is_stored_and_replayed,
+    an_unknown_external_outcome_parks_the_key,
+    migrate_is_idempotent_and_concurrent,
+    concurrent_duplicates_execute_exactly_once,
+);

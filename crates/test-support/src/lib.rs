@@ -1,0 +1,135 @@
+//! Fresh databases for integration tests, one per test, from the URLs CI exports.
+//!
+//! * `TEST_POSTGRES_URL`: a PostgreSQL server (any database on it); each test gets a new database.
+//! * `TEST_MYSQL_URL`: a MySQL/MariaDB server; likewise.
+//! * SQLite needs nothing: each test gets a file in a temporary folder.
+//!
+//! When a URL is missing the server's tests are skipped with a loud note, **except under CI**
+//! (`CI` set), where a missing URL or an unreachable server fails the test.
+//!
+//! ```no_run
+//! # async fn demo() {
+//! if let Some(url) = test_support::fresh_postgres_url().await {
+//!     let pool = sqlx::PgPool::connect(&url).await.unwrap();
+//! }
+//! # }
+//! ```
+
+use sqlx::{Connection, Executor};
+use std::path::PathBuf;
+
+/// Which server a URL variable names.
+const POSTGRES_VAR: &str = "TEST_POSTGRES_URL";
+const MYSQL_VAR: &str = "TEST_MYSQL_URL";
+
+/// Whether we run under CI, where skipping is not allowed.
+pub fn in_ci() -> bool {
+    std::env::var_os("CI").is_some_and(|v| !v.is_empty() && v != "false" && v != "0")
+}
+
+fn server_url(var: &str) -> Option<String> {
+    match std::env::var(var) {
+        Ok(url) if !url.is_empty() => Some(url),
+        _ if in_ci() => panic!("{var} is not set, but CI is: the database tests must run in CI"),
+        _ => {
+            // Written to stderr directly, past the test harness's capture, so a skip is seen.
+            use std::io::Write;
+            let _ = writeln!(
+                std::io::stderr(),
+                "SKIPPED: {var} is not set; this test needs that server (see .ci/databases.sh)"
+            );
+            None
+        }
+    }
+}
+
+fn fresh_name() -> String {
+    format!("t_{}", uuid::Uuid::new_v4().simple())
+}
+
+/// Replaces the database name (the path) of a server URL.
+fn with_database(url: &str, database: &str) -> String {
+    let (base, query) = match url.split_once('?') {
+        Some((base, query)) => (base, Some(query)),
+        None => (url, None),
+    };
+    let scheme_end = base.find("://").map_or(0, |i| i + 3);
+    let path_start = base[scheme_end..]
+        .find('/')
+        .map_or(base.len(), |i| scheme_end + i);
+    let mut out = format!("{}/{}", &base[..path_start], database);
+    if let Some(query) = query {
+        out.push('?');
+        out.push_str(query);
+    }
+    out
+}
+
+/// Creates a new, empty PostgreSQL database and returns its URL; `None` when skipped.
+///
+/// Panics (fails the test) when the server is configured but cannot be reached.
+pub async fn fresh_postgres_url() -> Option<String> {
+    let url = server_url(POSTGRES_VAR)?;
+    let name = fresh_name();
+    let mut admin = sqlx::PgConnection::connect(&url)
+        .await
+        .unwrap_or_else(|e| panic!("{POSTGRES_VAR}={url} is set but unreachable: {e}"));
+    admin
+        .execute(format!("CREATE DATABASE {name}").as_str())
+        .await
+        .expect("create test database");
+    Some(with_database(&url, &name))
+}
+
+/// Creates a new, empty MySQL/MariaDB database and returns its URL; `None` when skipped.
+pub async fn fresh_mysql_url() -> Option<String> {
+    let url = server_url(MYSQL_VAR)?;
+    let name = fresh_name();
+    let mut admin = sqlx::MySqlConnection::connect(&url)
+        .await
+        .unwrap_or_else(|e| panic!("{MYSQL_VAR}={url} is set but unreachable: {e}"));
+    admin
+        .execute(format!("CREATE DATABASE {name}").as_str())
+        .await
+        .expect("create test database");
+    Some(with_database(&url, &name))
+}
+
+/// A SQLite database file in a fresh temporary folder, removed when the guard drops.
+#[derive(Debug)]
+pub struct SqliteFile {
+    /// `sqlite://…?mode=rwc` for the file.
+    pub url: String,
+    /// The file's path.
+    pub path: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+/// A fresh SQLite file (always available).
+pub fn fresh_sqlite() -> SqliteFile {
+    let dir = tempfile::tempdir().expect("temporary folder");
+    let path = dir.path().join("test.db");
+    SqliteFile {
+        url: format!("sqlite://{}?mode=rwc", path.display()),
+        path,
+        _dir: dir,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::with_database;
+
+    #[test]
+    fn replaces_the_database() {
+        assert_eq!(
+            with_database("postgres://u:p@h:5432/idem", "t_1"),
+            "postgres://u:p@h:5432/t_1"
+        );
+        assert_eq!(with_database("mysql://u@h", "t_1"), "mysql://u@h/t_1");
+        assert_eq!(
+            with_database("postgres://h/db?sslmode=disable", "x"),
+            "postgres://h/x?sslmode=disable"
+        );
+    }
+}
