@@ -6,9 +6,9 @@ use std::fmt;
 
 /// SHA-256 of a canonical form of a request.
 ///
-/// Two requests that mean the same thing hash the same: JSON is canonicalised with RFC 8785 (JCS:
-/// sorted keys, no insignificant whitespace, one number format), so `{"a":1,"b":2}` and
-/// `{ "b": 2, "a": 1 }` are one request.
+/// Two requests that mean the same thing hash the same: JSON is put in [`canonical_json`] form
+/// (sorted keys, no insignificant whitespace, one number format), so `{"a":1,"b":2}` and
+/// `{ "b": 2, "a": 1 }` are one request, while any changed value is another.
 ///
 /// ```
 /// use idempotency::Fingerprint;
@@ -116,13 +116,67 @@ impl FingerprintBuilder {
     }
 }
 
-/// The RFC 8785 canonical JSON bytes of a value.
+/// The canonical JSON bytes of a value: object keys sorted (by code point), no insignificant
+/// whitespace, strings escaped as `serde_json` does, integers written exactly, and other numbers in
+/// their shortest round-trip form, with integral values below 2^53 written as integers (so `1.0`,
+/// `1` and `1e0` are one number).
+///
+/// This follows RFC 8785 (JCS) except in one place that matters for fingerprints: JCS writes every
+/// number as an IEEE double, so `9007199254740993` and `9007199254740992` (64-bit ids) would be
+/// the same request. Here 64-bit integers stay exact; only integers beyond 64 bits are compared as
+/// doubles.
 ///
 /// ```
-/// let bytes = idempotency::fingerprint::canonical_json(&serde_json::json!({"b": 1, "a": [1.50, "x"]}))?;
-/// assert_eq!(bytes, br#"{"a":[1.5,"x"],"b":1}"#);
+/// let bytes = idempotency::fingerprint::canonical_json(&serde_json::json!({"b": 1, "a": [1.50, "x", 2.0]}))?;
+/// assert_eq!(bytes, br#"{"a":[1.5,"x",2],"b":1}"#);
 /// # Ok::<(), serde_json::Error>(())
 /// ```
 pub fn canonical_json<T: Serialize>(value: &T) -> Result<Vec<u8>, serde_json::Error> {
-    serde_json_canonicalizer::to_vec(value)
+    let value = serde_json::to_value(value)?;
+    let mut out = Vec::with_capacity(128);
+    write_canonical(&value, &mut out)?;
+    Ok(out)
+}
+
+/// 2^53: below it every integer is exactly representable as a double.
+const EXACT_DOUBLE_INTEGERS: f64 = 9_007_199_254_740_992.0;
+
+fn write_canonical(value: &serde_json::Value, out: &mut Vec<u8>) -> Result<(), serde_json::Error> {
+    use serde_json::Value;
+    match value {
+        Value::Object(map) => {
+            let mut entries: Vec<_> = map.iter().collect();
+            entries.sort_unstable_by(|a, b| a.0.cmp(b.0));
+            out.push(b'{');
+            for (i, (key, item)) in entries.into_iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                serde_json::to_writer(&mut *out, key)?;
+                out.push(b':');
+                write_canonical(item, out)?;
+            }
+            out.push(b'}');
+        }
+        Value::Array(items) => {
+            out.push(b'[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                write_canonical(item, out)?;
+            }
+            out.push(b']');
+        }
+        Value::Number(n) if n.is_f64() => {
+            let f = n.as_f64().unwrap_or_default();
+            if f.fract() == 0.0 && f.abs() < EXACT_DOUBLE_INTEGERS {
+                serde_json::to_writer(&mut *out, &(f as i64))?;
+            } else {
+                serde_json::to_writer(&mut *out, &f)?;
+            }
+        }
+        other => serde_json::to_writer(&mut *out, other)?,
+    }
+    Ok(())
 }
