@@ -4,12 +4,15 @@
 //! that changes a row is *conditional*: it names the lease token it expects, so a stale worker, a
 //! recovery job and a retry can never both act on one key.
 
+pub mod maintenance;
 #[cfg(feature = "mysql")]
 pub mod mysql;
 #[cfg(feature = "postgres")]
 pub mod postgres;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
+
+pub use maintenance::{KeyFilter, KeyStats, Maintenance, Resolution, StateCount};
 
 use crate::{error::StoreError, Fingerprint, IdempotencyKey};
 use chrono::{DateTime, Utc};

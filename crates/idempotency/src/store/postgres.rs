@@ -302,3 +302,241 @@ impl Store for PgStore {
         Ok(done.rows_affected() == 1)
     }
 }
+
+// --- Maintenance: recovery, purge, listing, resolution, statistics ------------------------------
+
+const EXPIRED_LEASES: &str = concat!(
+    "SELECT ",
+    columns!(),
+    " FROM idempotency_keys k WHERE k.state = 'pending' AND k.lease_until <= now()
+      ORDER BY k.lease_until, k.scope, k.operation, k.idem_key LIMIT $1"
+);
+
+const LIST: &str = concat!(
+    "SELECT ",
+    columns!(),
+    " FROM idempotency_keys k
+      WHERE ($1::TEXT IS NULL OR k.state = $1)
+        AND ($2::TEXT IS NULL OR k.scope = $2)
+        AND ($3::TEXT IS NULL OR k.operation = $3)
+        AND ($4::BIGINT IS NULL OR k.created_at <= now() - $4 * INTERVAL '1 millisecond')
+      ORDER BY k.created_at, k.scope, k.operation, k.idem_key LIMIT $5"
+);
+
+impl PgStore {
+    /// Runs a conditional statement; a serialization failure or deadlock (possible under a
+    /// SERIALIZABLE server default) means another session changed the row first: `Ok(false)`.
+    async fn conditional(
+        &self,
+        query: sqlx::query::Query<'_, Postgres, sqlx::postgres::PgArguments>,
+    ) -> Result<bool, StoreError> {
+        match query.execute(&self.pool).await {
+            Ok(done) => Ok(done.rows_affected() == 1),
+            Err(e) if lost_race(&e) => Ok(false),
+            Err(e) => Err(e.into()),
+        }
+    }
+}
+
+impl super::Maintenance for PgStore {
+    async fn expired_leases(&self, limit: u32) -> Result<Vec<KeyRecord>, StoreError> {
+        sqlx::query(EXPIRED_LEASES)
+            .bind(i64::from(limit))
+            .fetch_all(&self.pool)
+            .await?
+            .iter()
+            .map(record)
+            .collect()
+    }
+
+    async fn claim_for_recovery(
+        &self,
+        key: &IdempotencyKey,
+        stale: LeaseToken,
+        fresh: LeaseToken,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        self.conditional(
+            sqlx::query(
+                "UPDATE idempotency_keys SET
+                    lease_token = $5, lease_until = now() + $6 * INTERVAL '1 millisecond',
+                    updated_at = now()
+                 WHERE scope = $1 AND operation = $2 AND idem_key = $3
+                   AND state = 'pending' AND lease_token = $4 AND lease_until <= now()",
+            )
+            .bind(key.scope())
+            .bind(key.operation())
+            .bind(key.key())
+            .bind(stale.0)
+            .bind(fresh.0)
+            .bind(millis(lease)),
+        )
+        .await
+    }
+
+    async fn complete_recovered(
+        &self,
+        key: &IdempotencyKey,
+        token: LeaseToken,
+        result: &[u8],
+        reason: &str,
+        retention: Duration,
+    ) -> Result<bool, StoreError> {
+        self.conditional(
+            sqlx::query(
+                "UPDATE idempotency_keys SET
+                    state = 'completed', result = $5, reason = $6, updated_at = now(),
+                    expires_at = now() + $7 * INTERVAL '1 millisecond'
+                 WHERE scope = $1 AND operation = $2 AND idem_key = $3
+                   AND state = 'pending' AND lease_token = $4",
+            )
+            .bind(key.scope())
+            .bind(key.operation())
+            .bind(key.key())
+            .bind(token.0)
+            .bind(result)
+            .bind(reason)
+            .bind(millis(retention)),
+        )
+        .await
+    }
+
+    async fn note_unknown(
+        &self,
+        key: &IdempotencyKey,
+        token: LeaseToken,
+        retry_after: Duration,
+    ) -> Result<bool, StoreError> {
+        self.conditional(
+            sqlx::query(
+                "UPDATE idempotency_keys SET
+                    recovery_attempts = recovery_attempts + 1,
+                    lease_until = now() + $5 * INTERVAL '1 millisecond', updated_at = now()
+                 WHERE scope = $1 AND operation = $2 AND idem_key = $3
+                   AND state = 'pending' AND lease_token = $4",
+            )
+            .bind(key.scope())
+            .bind(key.operation())
+            .bind(key.key())
+            .bind(token.0)
+            .bind(millis(retry_after)),
+        )
+        .await
+    }
+
+    async fn purge_batch(&self, batch: u32) -> Result<u64, StoreError> {
+        // The inner SELECT locks at most `batch` expired rows, skipping rows other sessions hold
+        // (a concurrent purge or take-over), and re-checks its condition on the latest row
+        // version; the DELETE then removes exactly those rows by primary key.
+        let done = sqlx::query(
+            "DELETE FROM idempotency_keys
+             WHERE (scope, operation, idem_key) IN (
+                 SELECT scope, operation, idem_key FROM idempotency_keys
+                 WHERE state IN ('completed', 'failed') AND expires_at <= now()
+                 ORDER BY expires_at
+                 LIMIT $1
+                 FOR UPDATE SKIP LOCKED)
+               AND state IN ('completed', 'failed') AND expires_at <= now()",
+        )
+        .bind(i64::from(batch))
+        .execute(&self.pool)
+        .await;
+        match done {
+            Ok(done) => Ok(done.rows_affected()),
+            Err(e) if lost_race(&e) => Ok(0),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    async fn count_purgeable(&self) -> Result<u64, StoreError> {
+        let count: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM idempotency_keys
+             WHERE state IN ('completed', 'failed') AND expires_at <= now()",
+        )
+        .fetch_one(&self.pool)
+        .await?;
+        Ok(count.max(0) as u64)
+    }
+
+    async fn list(&self, filter: &super::KeyFilter) -> Result<Vec<KeyRecord>, StoreError> {
+        sqlx::query(LIST)
+            .bind(filter.state.map(|s| s.as_str()))
+            .bind(filter.scope.as_deref())
+            .bind(filter.operation.as_deref())
+            .bind(filter.older_than.map(millis))
+            .bind(i64::from(filter.limit))
+            .fetch_all(&self.pool)
+            .await?
+            .iter()
+            .map(record)
+            .collect()
+    }
+
+    async fn resolve(
+        &self,
+        key: &IdempotencyKey,
+        resolution: &super::Resolution,
+        reason: &str,
+        retention: Duration,
+    ) -> Result<bool, StoreError> {
+        let result = match resolution {
+            super::Resolution::Completed(bytes) => Some(bytes.as_slice()),
+            super::Resolution::Failed => None,
+        };
+        self.conditional(
+            sqlx::query(
+                "UPDATE idempotency_keys SET
+                    state = $4, result = $5, reason = $6, updated_at = now(),
+                    expires_at = now() + $7 * INTERVAL '1 millisecond'
+                 WHERE scope = $1 AND operation = $2 AND idem_key = $3
+                   AND state = 'needs_review'",
+            )
+            .bind(key.scope())
+            .bind(key.operation())
+            .bind(key.key())
+            .bind(resolution.state().as_str())
+            .bind(result)
+            .bind(reason)
+            .bind(millis(retention)),
+        )
+        .await
+    }
+
+    async fn stats(&self) -> Result<super::KeyStats, StoreError> {
+        let rows = sqlx::query(
+            "SELECT operation, state, count(*) AS n FROM idempotency_keys
+             GROUP BY operation, state ORDER BY operation, state",
+        )
+        .fetch_all(&self.pool)
+        .await?;
+        let counts = rows
+            .iter()
+            .map(|row| {
+                Ok(super::StateCount {
+                    operation: row.try_get("operation")?,
+                    state: row.try_get::<String, _>("state")?.parse()?,
+                    count: row.try_get::<i64, _>("n")?.max(0) as u64,
+                })
+            })
+            .collect::<Result<Vec<_>, StoreError>>()?;
+        let summary = sqlx::query(
+            "SELECT
+                (SELECT CEIL(EXTRACT(EPOCH FROM (now() - min(created_at))) * 1000)::BIGINT
+                   FROM idempotency_keys WHERE state = 'pending') AS oldest_pending_ms,
+                (SELECT count(*) FROM idempotency_keys
+                  WHERE state = 'pending' AND lease_until <= now()) AS expired_leases,
+                (SELECT count(*) FROM idempotency_keys
+                  WHERE state IN ('completed', 'failed') AND expires_at <= now()) AS purgeable",
+        )
+        .fetch_one(&self.pool)
+        .await?;
+        Ok(super::KeyStats {
+            counts,
+            oldest_pending_age: summary
+                .try_get::<Option<i64>, _>("oldest_pending_ms")?
+                .map(|ms| Duration::from_millis(ms.max(0) as u64)),
+            expired_leases: summary.try_get::<i64, _>("expired_leases")?.max(0) as u64,
+            purgeable: summary.try_get::<i64, _>("purgeable")?.max(0) as u64,
+        })
+    }
+}

@@ -335,3 +335,240 @@ impl Store for SqliteStore {
         Ok(done.rows_affected() == 1)
     }
 }
+
+// --- Maintenance: recovery, purge, listing, resolution, statistics ------------------------------
+
+const EXPIRED_LEASES: &str = concat!(
+    "SELECT ",
+    columns!(),
+    " FROM idempotency_keys WHERE state = 'pending' AND lease_until <= ",
+    now_ms!(),
+    " ORDER BY lease_until, scope, operation, idem_key LIMIT ?1"
+);
+
+const LIST: &str = concat!(
+    "SELECT ",
+    columns!(),
+    " FROM idempotency_keys
+      WHERE (?1 IS NULL OR state = ?1)
+        AND (?2 IS NULL OR scope = ?2)
+        AND (?3 IS NULL OR operation = ?3)
+        AND (?4 IS NULL OR created_at <= ",
+    now_ms!(),
+    " - ?4)
+      ORDER BY created_at, scope, operation, idem_key LIMIT ?5"
+);
+
+/// The purge condition, by SQLite's clock.
+macro_rules! purgeable {
+    () => {
+        concat!(
+            "state IN ('completed', 'failed') AND expires_at <= ",
+            now_ms!()
+        )
+    };
+}
+
+impl super::Maintenance for SqliteStore {
+    async fn expired_leases(&self, limit: u32) -> Result<Vec<KeyRecord>, StoreError> {
+        sqlx::query(EXPIRED_LEASES)
+            .bind(i64::from(limit))
+            .fetch_all(&self.pool)
+            .await?
+            .iter()
+            .map(record)
+            .collect()
+    }
+
+    async fn claim_for_recovery(
+        &self,
+        key: &IdempotencyKey,
+        stale: LeaseToken,
+        fresh: LeaseToken,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        let done = sqlx::query(concat!(
+            "UPDATE idempotency_keys SET lease_token = ?5, lease_until = ",
+            now_ms!(),
+            " + ?6, updated_at = ",
+            now_ms!(),
+            " WHERE scope = ?1 AND operation = ?2 AND idem_key = ?3
+               AND state = 'pending' AND lease_token = ?4 AND lease_until <= ",
+            now_ms!()
+        ))
+        .bind(key.scope())
+        .bind(key.operation())
+        .bind(key.key())
+        .bind(stale.0.as_bytes().as_slice())
+        .bind(fresh.0.as_bytes().as_slice())
+        .bind(millis(lease))
+        .execute(&self.pool)
+        .await?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn complete_recovered(
+        &self,
+        key: &IdempotencyKey,
+        token: LeaseToken,
+        result: &[u8],
+        reason: &str,
+        retention: Duration,
+    ) -> Result<bool, StoreError> {
+        let done = sqlx::query(concat!(
+            "UPDATE idempotency_keys SET state = 'completed', result = ?5, reason = ?6, updated_at = ",
+            now_ms!(),
+            ", expires_at = ",
+            now_ms!(),
+            " + ?7 WHERE scope = ?1 AND operation = ?2 AND idem_key = ?3
+               AND state = 'pending' AND lease_token = ?4"
+        ))
+        .bind(key.scope())
+        .bind(key.operation())
+        .bind(key.key())
+        .bind(token.0.as_bytes().as_slice())
+        .bind(result)
+        .bind(reason)
+        .bind(millis(retention))
+        .execute(&self.pool)
+        .await?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn note_unknown(
+        &self,
+        key: &IdempotencyKey,
+        token: LeaseToken,
+        retry_after: Duration,
+    ) -> Result<bool, StoreError> {
+        let done = sqlx::query(concat!(
+            "UPDATE idempotency_keys SET recovery_attempts = recovery_attempts + 1, lease_until = ",
+            now_ms!(),
+            " + ?5, updated_at = ",
+            now_ms!(),
+            " WHERE scope = ?1 AND operation = ?2 AND idem_key = ?3
+               AND state = 'pending' AND lease_token = ?4"
+        ))
+        .bind(key.scope())
+        .bind(key.operation())
+        .bind(key.key())
+        .bind(token.0.as_bytes().as_slice())
+        .bind(millis(retry_after))
+        .execute(&self.pool)
+        .await?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn purge_batch(&self, batch: u32) -> Result<u64, StoreError> {
+        // One statement (SQLite has one writer at a time): the batch bounds how long it holds
+        // the write lock. The table is WITHOUT ROWID, so rows are named by primary key.
+        let done = sqlx::query(concat!(
+            "DELETE FROM idempotency_keys WHERE (scope, operation, idem_key) IN (
+                 SELECT scope, operation, idem_key FROM idempotency_keys WHERE ",
+            purgeable!(),
+            " ORDER BY expires_at LIMIT ?1) AND ",
+            purgeable!()
+        ))
+        .bind(i64::from(batch))
+        .execute(&self.pool)
+        .await?;
+        Ok(done.rows_affected())
+    }
+
+    async fn count_purgeable(&self) -> Result<u64, StoreError> {
+        let count: i64 = sqlx::query_scalar(concat!(
+            "SELECT count(*) FROM idempotency_keys WHERE ",
+            purgeable!()
+        ))
+        .fetch_one(&self.pool)
+        .await?;
+        Ok(count.max(0) as u64)
+    }
+
+    async fn list(&self, filter: &super::KeyFilter) -> Result<Vec<KeyRecord>, StoreError> {
+        sqlx::query(LIST)
+            .bind(filter.state.map(|s| s.as_str()))
+            .bind(filter.scope.as_deref())
+            .bind(filter.operation.as_deref())
+            .bind(filter.older_than.map(millis))
+            .bind(i64::from(filter.limit))
+            .fetch_all(&self.pool)
+            .await?
+            .iter()
+            .map(record)
+            .collect()
+    }
+
+    async fn resolve(
+        &self,
+        key: &IdempotencyKey,
+        resolution: &super::Resolution,
+        reason: &str,
+        retention: Duration,
+    ) -> Result<bool, StoreError> {
+        let result = match resolution {
+            super::Resolution::Completed(bytes) => Some(bytes.as_slice()),
+            super::Resolution::Failed => None,
+        };
+        let done = sqlx::query(concat!(
+            "UPDATE idempotency_keys SET state = ?4, result = ?5, reason = ?6, updated_at = ",
+            now_ms!(),
+            ", expires_at = ",
+            now_ms!(),
+            " + ?7 WHERE scope = ?1 AND operation = ?2 AND idem_key = ?3
+               AND state = 'needs_review'"
+        ))
+        .bind(key.scope())
+        .bind(key.operation())
+        .bind(key.key())
+        .bind(resolution.state().as_str())
+        .bind(result)
+        .bind(reason)
+        .bind(millis(retention))
+        .execute(&self.pool)
+        .await?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn stats(&self) -> Result<super::KeyStats, StoreError> {
+        let rows = sqlx::query(
+            "SELECT operation, state, count(*) AS n FROM idempotency_keys
+             GROUP BY operation, state ORDER BY operation, state",
+        )
+        .fetch_all(&self.pool)
+        .await?;
+        let counts = rows
+            .iter()
+            .map(|row| {
+                Ok(super::StateCount {
+                    operation: row.try_get("operation")?,
+                    state: row.try_get::<String, _>("state")?.parse()?,
+                    count: row.try_get::<i64, _>("n")?.max(0) as u64,
+                })
+            })
+            .collect::<Result<Vec<_>, StoreError>>()?;
+        let summary = sqlx::query(concat!(
+            "SELECT
+                (SELECT ",
+            now_ms!(),
+            " - min(created_at) FROM idempotency_keys WHERE state = 'pending') AS oldest_pending_ms,
+                (SELECT count(*) FROM idempotency_keys
+                  WHERE state = 'pending' AND lease_until <= ",
+            now_ms!(),
+            ") AS expired_leases,
+                (SELECT count(*) FROM idempotency_keys WHERE ",
+            purgeable!(),
+            ") AS purgeable"
+        ))
+        .fetch_one(&self.pool)
+        .await?;
+        Ok(super::KeyStats {
+            counts,
+            oldest_pending_age: summary
+                .try_get::<Option<i64>, _>("oldest_pending_ms")?
+                .map(|ms| Duration::from_millis(ms.max(0) as u64)),
+            expired_leases: summary.try_get::<i64, _>("expired_leases")?.max(0) as u64,
+            purgeable: summary.try_get::<i64, _>("purgeable")?.max(0) as u64,
+        })
+    }
+}

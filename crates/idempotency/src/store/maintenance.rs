@@ -1,0 +1,242 @@
+//! The statements of the operator side: recovery of abandoned keys, retention purge, listing,
+//! resolution of parked keys and statistics.
+//!
+//! [`Maintenance`] extends [`Store`] and follows its rules: every method that changes a row is a
+//! single conditional statement (on the lease token, or on the state), so two recovery workers, a
+//! recovery worker and a late original worker, or two operators never both act on one key. Every
+//! time comparison uses the database's clock (`now()`), never the caller's.
+//!
+//! ```no_run
+//! # #[cfg(feature = "sqlite")]
+//! # async fn demo() -> Result<(), idempotency::StoreError> {
+//! use idempotency::store::{sqlite::SqliteStore, Maintenance, Store};
+//! let store = SqliteStore::connect("sqlite://keys.db?mode=rwc").await?;
+//! store.migrate().await?;
+//! for record in store.expired_leases(100).await? {
+//!     println!("{} was abandoned {} times", record.key, record.recovery_attempts);
+//! }
+//! # Ok(()) }
+//! ```
+
+use super::{KeyRecord, KeyState, LeaseToken, Store};
+use crate::{error::StoreError, IdempotencyKey};
+use std::{future::Future, time::Duration};
+
+/// Which rows [`Maintenance::list`] returns. All conditions are combined with AND; `None` means
+/// "any".
+///
+/// ```
+/// use idempotency::store::{KeyFilter, KeyState};
+/// use std::time::Duration;
+/// let filter = KeyFilter {
+///     state: Some(KeyState::NeedsReview),
+///     older_than: Some(Duration::from_secs(300)),
+///     ..KeyFilter::default()
+/// };
+/// assert_eq!(filter.limit, 100);
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyFilter {
+    /// Only rows in this state.
+    pub state: Option<KeyState>,
+    /// Only rows of this scope.
+    pub scope: Option<String>,
+    /// Only rows of this operation.
+    pub operation: Option<String>,
+    /// Only rows created at least this long ago (`created_at <= now() - older_than`).
+    pub older_than: Option<Duration>,
+    /// At most this many rows (oldest `created_at` first).
+    pub limit: u32,
+}
+
+impl Default for KeyFilter {
+    fn default() -> Self {
+        Self {
+            state: None,
+            scope: None,
+            operation: None,
+            older_than: None,
+            limit: 100,
+        }
+    }
+}
+
+/// An operator's decision about a parked (`needs_review`) key.
+///
+/// ```
+/// use idempotency::store::Resolution;
+/// let done = Resolution::Completed(br#"{"order":7}"#.to_vec());
+/// assert_eq!(done.state().as_str(), "completed");
+/// assert_eq!(Resolution::Failed.state().as_str(), "failed");
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Resolution {
+    /// The effect did happen: replays will return these result bytes (the same encoding the
+    /// protocol stores: the JSON of the operation's result).
+    Completed(Vec<u8>),
+    /// The effect did not happen: the key may be reserved again and the work run anew.
+    Failed,
+}
+
+impl Resolution {
+    /// The state the row moves to.
+    pub fn state(&self) -> KeyState {
+        match self {
+            Resolution::Completed(_) => KeyState::Completed,
+            Resolution::Failed => KeyState::Failed,
+        }
+    }
+}
+
+/// How many rows one operation has in one state.
+///
+/// ```
+/// use idempotency::store::{KeyState, StateCount};
+/// let count = StateCount { operation: "purchase".into(), state: KeyState::Pending, count: 3 };
+/// assert_eq!(count.count, 3);
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StateCount {
+    /// The operation.
+    pub operation: String,
+    /// The state.
+    pub state: KeyState,
+    /// How many rows.
+    pub count: u64,
+}
+
+/// A snapshot of the key table, for `idem stats` and monitoring.
+///
+/// ```
+/// use idempotency::store::KeyStats;
+/// let stats = KeyStats::default();
+/// assert_eq!(stats.total(), 0);
+/// assert!(stats.oldest_pending_age.is_none());
+/// ```
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct KeyStats {
+    /// Row counts by operation and state, ordered by operation then state name.
+    pub counts: Vec<StateCount>,
+    /// Age (by the database clock) of the oldest pending row, `None` when nothing is pending.
+    pub oldest_pending_age: Option<Duration>,
+    /// Pending rows whose lease has ended (what the recovery job would look at).
+    pub expired_leases: u64,
+    /// Rows a purge would delete now.
+    pub purgeable: u64,
+}
+
+impl KeyStats {
+    /// All rows.
+    pub fn total(&self) -> u64 {
+        self.counts.iter().map(|c| c.count).sum()
+    }
+
+    /// Rows in `state`, over all operations.
+    pub fn in_state(&self, state: KeyState) -> u64 {
+        self.counts
+            .iter()
+            .filter(|c| c.state == state)
+            .map(|c| c.count)
+            .sum()
+    }
+}
+
+/// The statements recovery, retention purge and the `idem` CLI need, on top of [`Store`].
+///
+/// Contract for implementers (PostgreSQL, SQLite and MySQL alike):
+/// * every time comparison and every written time uses the database clock;
+/// * every changing method is **one** conditional statement, committed on its own (autocommit),
+///   whose condition is re-checked by the database at write time, and it reports through its
+///   return value whether it acted; losing a race is `Ok(false)` / `Ok(0)`, never an error;
+/// * a purge never deletes `pending` or `needs_review` rows, and deletes at most `batch` rows per
+///   statement, skipping rows another session holds locked where the database allows it.
+///
+/// ```no_run
+/// # #[cfg(feature = "postgres")]
+/// # async fn demo(store: idempotency::store::postgres::PgStore) -> Result<(), idempotency::StoreError> {
+/// use idempotency::store::{LeaseToken, Maintenance, Store};
+/// use std::time::Duration;
+/// for stale in store.expired_leases(10).await? {
+///     let mine = LeaseToken::new();
+///     if store.claim_for_recovery(&stale.key, stale.lease_token, mine, Duration::from_secs(60)).await? {
+///         store.park(&stale.key, mine, "checked by hand").await?;
+///     }
+/// }
+/// # Ok(()) }
+/// ```
+pub trait Maintenance: Store {
+    /// Pending rows whose lease has ended (`state = 'pending' AND lease_until <= now()`), local and
+    /// external alike, the longest-expired first, at most `limit`. Reads only.
+    fn expired_leases(
+        &self,
+        limit: u32,
+    ) -> impl Future<Output = Result<Vec<KeyRecord>, StoreError>> + Send;
+
+    /// Claims an abandoned key for recovery: replaces the lease token `stale` by `fresh` and sets
+    /// `lease_until = now() + lease`, only where the row is still `pending`, still carries `stale`
+    /// and its lease has ended. Leaves everything else (including `recovery_attempts`) unchanged.
+    /// `true` means the caller now holds the key with `fresh`: the original worker can no longer
+    /// complete it (its token is gone) and no other recovery worker can claim it until `lease`
+    /// ends.
+    fn claim_for_recovery(
+        &self,
+        key: &IdempotencyKey,
+        stale: LeaseToken,
+        fresh: LeaseToken,
+        lease: Duration,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// Marks the key `completed` with `result`, outside any business transaction (the effect
+    /// happened elsewhere, e.g. at a payment provider), only where it is `pending` with `token`.
+    /// Sets `expires_at = now() + retention` and `reason`. Returns whether it did.
+    fn complete_recovered(
+        &self,
+        key: &IdempotencyKey,
+        token: LeaseToken,
+        result: &[u8],
+        reason: &str,
+        retention: Duration,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// Notes that the resolver could not tell what happened: `recovery_attempts += 1` and
+    /// `lease_until = now() + retry_after` (when the next recovery pass may ask again), only where
+    /// the key is `pending` with `token`. The key stays pending with `token`. Returns whether it
+    /// did.
+    fn note_unknown(
+        &self,
+        key: &IdempotencyKey,
+        token: LeaseToken,
+        retry_after: Duration,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// Deletes at most `batch` rows with `state IN ('completed', 'failed') AND expires_at <=
+    /// now()`, oldest expiry first, in one statement (skipping rows locked by other sessions where
+    /// the database can), and returns how many it deleted. Never touches `pending` or
+    /// `needs_review` rows. Call it until it returns 0 to purge everything.
+    fn purge_batch(&self, batch: u32) -> impl Future<Output = Result<u64, StoreError>> + Send;
+
+    /// How many rows a purge would delete now (same condition as [`purge_batch`](Self::purge_batch)).
+    fn count_purgeable(&self) -> impl Future<Output = Result<u64, StoreError>> + Send;
+
+    /// Rows matching `filter`, oldest `created_at` first (then by key), at most `filter.limit`.
+    fn list(
+        &self,
+        filter: &KeyFilter,
+    ) -> impl Future<Output = Result<Vec<KeyRecord>, StoreError>> + Send;
+
+    /// Resolves a parked key: moves it from `needs_review` to `completed` (with the result bytes)
+    /// or `failed` (result cleared), records `reason`, sets `expires_at = now() + retention`, only
+    /// where it is still `needs_review`. Returns whether it did. Callers validate `reason`
+    /// (see [`crate::recovery::resolve`]).
+    fn resolve(
+        &self,
+        key: &IdempotencyKey,
+        resolution: &Resolution,
+        reason: &str,
+        retention: Duration,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// Row counts by operation and state, the age of the oldest pending row, the number of
+    /// expired leases and of purgeable rows, all by the database clock.
+    fn stats(&self) -> impl Future<Output = Result<KeyStats, StoreError>> + Send;
+}
