@@ -6,6 +6,8 @@ pub mod fingerprint;
 pub mod key;
 pub mod outcome;
 pub mod protocol;
+pub mod recovery;
+pub mod retention;
 pub mod store;
 
 pub use error::{Error, StoreError};

@@ -1,0 +1,456 @@
+//! Recovery of abandoned keys and operator resolution of parked ones.
+//!
+//! A key stays `pending` when its worker died between reserving it and finishing (a crash, a
+//! killed pod). Once its lease has ended, the recovery job decides, in the order the article
+//! describes:
+//!
+//! * **local** operations (only our database) are released: their business transaction commits
+//!   together with the key's completion, so a pending key means nothing was committed;
+//! * **external** operations (a payment, a mail) are asked about: a [`Resolver`] queries the
+//!   provider with the same key and answers *completed* (the result is stored), *failed* (the key
+//!   is released so a retry runs again) or *unknown*. With no resolver, or still unknown after
+//!   [`Recovery::with_max_attempts`] passes, the key is parked as `needs_review` and never released
+//!   automatically; an operator settles it with [`resolve`] (`idem keys resolve`).
+//!
+//! Every decision is fenced: the job first *claims* the key (a conditional UPDATE from the stale
+//! lease token to its own), and writes the decision conditional on its own token. Two recovery
+//! workers, or a recovery worker and the late original worker, never both act.
+//!
+//! ```no_run
+//! # #[cfg(feature = "sqlite")]
+//! # async fn demo() -> Result<(), idempotency::StoreError> {
+//! use idempotency::recovery::{ProviderAnswer, Recovery, Resolver};
+//! use idempotency::store::{sqlite::SqliteStore, Store};
+//! use idempotency::KeyRecord;
+//!
+//! struct Payments;
+//! impl Resolver for Payments {
+//!     async fn resolve(&self, record: &KeyRecord) -> ProviderAnswer {
+//!         // Ask the payment provider about `record.key.key()` here.
+//!         ProviderAnswer::Unknown
+//!     }
+//! }
+//!
+//! let store = SqliteStore::connect("sqlite://shop.db?mode=rwc").await?;
+//! let report = Recovery::new(store).with_resolver(Payments).run_once().await?;
+//! println!("released {}, parked {}", report.released, report.parked);
+//! # Ok(()) }
+//! ```
+
+use crate::{
+    error::StoreError,
+    store::{Effects, KeyRecord, KeyState, LeaseToken, Maintenance, Resolution},
+    IdempotencyKey,
+};
+use std::{fmt, future::Future, time::Duration};
+
+/// What the provider says about an external operation whose worker vanished.
+///
+/// ```
+/// use idempotency::recovery::ProviderAnswer;
+/// let answer = ProviderAnswer::Completed(br#"{"charge":"ch_1"}"#.to_vec());
+/// assert!(matches!(answer, ProviderAnswer::Completed(_)));
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ProviderAnswer {
+    /// The effect happened; store these result bytes (the JSON replays will return).
+    Completed(Vec<u8>),
+    /// The effect did not happen: release the key so a retry runs the work again.
+    Failed,
+    /// The provider cannot tell (yet): ask again on a later pass, up to the attempt limit.
+    Unknown,
+}
+
+/// Asks the outside service what became of an external operation ("did charge `k` happen?").
+///
+/// Called at most once per claim of a key; a resolver that fails (network error, timeout) should
+/// answer [`ProviderAnswer::Unknown`].
+///
+/// ```
+/// use idempotency::recovery::{ProviderAnswer, Resolver};
+/// use idempotency::KeyRecord;
+/// struct AlwaysFailed;
+/// impl Resolver for AlwaysFailed {
+///     async fn resolve(&self, _record: &KeyRecord) -> ProviderAnswer {
+///         ProviderAnswer::Failed
+///     }
+/// }
+/// ```
+pub trait Resolver: Send + Sync + 'static {
+    /// The provider's answer about `record` (its key, fingerprint, attempts so far …).
+    fn resolve(&self, record: &KeyRecord) -> impl Future<Output = ProviderAnswer> + Send;
+}
+
+/// The absence of a resolver: external keys are parked for a human.
+///
+/// ```
+/// use idempotency::recovery::{NoResolver, Recovery};
+/// # #[cfg(feature = "sqlite")]
+/// # fn demo(store: idempotency::store::sqlite::SqliteStore) {
+/// let recovery: Recovery<_, NoResolver> = Recovery::new(store);
+/// # }
+/// ```
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NoResolver;
+
+impl Resolver for NoResolver {
+    async fn resolve(&self, _record: &KeyRecord) -> ProviderAnswer {
+        ProviderAnswer::Unknown
+    }
+}
+
+/// What one recovery pass did, key by key.
+///
+/// ```
+/// use idempotency::recovery::RecoveryReport;
+/// let report = RecoveryReport { released: 2, parked: 1, ..RecoveryReport::default() };
+/// assert_eq!(report.acted(), 3);
+/// assert_eq!(report.to_string(), "released 2, completed 0, failed 0, parked 1, unknown 0, skipped 0");
+/// ```
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RecoveryReport {
+    /// Local keys released (and external ones whose provider answered "failed" are counted in
+    /// `failed`, not here).
+    pub released: u64,
+    /// External keys the resolver reported completed; their result is stored.
+    pub completed: u64,
+    /// External keys the resolver reported failed; they were released.
+    pub failed: u64,
+    /// External keys parked as `needs_review` (no resolver, or unknown too often).
+    pub parked: u64,
+    /// External keys still unknown; a later pass asks again.
+    pub unknown: u64,
+    /// Keys another worker (or a retry) changed first; nothing was done to them.
+    pub skipped: u64,
+}
+
+impl RecoveryReport {
+    /// Keys whose state this pass changed (released, completed, failed or parked).
+    pub fn acted(&self) -> u64 {
+        self.released + self.completed + self.failed + self.parked
+    }
+
+    /// Adds another pass's counts.
+    pub fn add(&mut self, other: &RecoveryReport) {
+        self.released += other.released;
+        self.completed += other.completed;
+        self.failed += other.failed;
+        self.parked += other.parked;
+        self.unknown += other.unknown;
+        self.skipped += other.skipped;
+    }
+}
+
+impl fmt::Display for RecoveryReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "released {}, completed {}, failed {}, parked {}, unknown {}, skipped {}",
+            self.released, self.completed, self.failed, self.parked, self.unknown, self.skipped
+        )
+    }
+}
+
+/// The recovery job: configuration plus [`run_once`](Self::run_once) and [`run`](Self::run).
+///
+/// ```no_run
+/// # #[cfg(feature = "sqlite")]
+/// # async fn demo(store: idempotency::store::sqlite::SqliteStore) -> Result<(), idempotency::StoreError> {
+/// use idempotency::recovery::Recovery;
+/// use std::time::Duration;
+/// let recovery = Recovery::new(store).with_max_attempts(3).with_batch(500);
+/// let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+/// let job = tokio::spawn(async move {
+///     recovery.run(Duration::from_secs(30), async { let _ = stopped.await; }).await
+/// });
+/// // … on shutdown:
+/// let _ = stop.send(());
+/// let total = job.await.unwrap()?;
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct Recovery<S, R = NoResolver> {
+    store: S,
+    resolver: Option<R>,
+    max_attempts: u32,
+    batch: u32,
+    claim_lease: Duration,
+    retry_after: Duration,
+    retention: Duration,
+}
+
+impl<S: Maintenance> Recovery<S, NoResolver> {
+    /// A job without resolver (external keys are parked), 5 attempts, batches of 100 keys, a
+    /// 60 s claim, asking again on the next pass, results kept 24 h.
+    pub fn new(store: S) -> Self {
+        Self {
+            store,
+            resolver: None,
+            max_attempts: 5,
+            batch: 100,
+            claim_lease: Duration::from_secs(60),
+            retry_after: Duration::ZERO,
+            retention: Duration::from_secs(24 * 60 * 60),
+        }
+    }
+
+    /// Asks `resolver` about external keys.
+    pub fn with_resolver<R: Resolver>(self, resolver: R) -> Recovery<S, R> {
+        Recovery {
+            store: self.store,
+            resolver: Some(resolver),
+            max_attempts: self.max_attempts,
+            batch: self.batch,
+            claim_lease: self.claim_lease,
+            retry_after: self.retry_after,
+            retention: self.retention,
+        }
+    }
+}
+
+impl<S: Maintenance, R: Resolver> Recovery<S, R> {
+    /// How many "unknown" answers a key may get before it is parked (at least 1).
+    pub fn with_max_attempts(mut self, attempts: u32) -> Self {
+        self.max_attempts = attempts.max(1);
+        self
+    }
+
+    /// How many abandoned keys one pass looks at (at least 1).
+    pub fn with_batch(mut self, batch: u32) -> Self {
+        self.batch = batch.max(1);
+        self
+    }
+
+    /// How long a claim protects the key while the resolver is asked (should exceed the
+    /// resolver's timeout).
+    pub fn with_claim_lease(mut self, lease: Duration) -> Self {
+        self.claim_lease = lease;
+        self
+    }
+
+    /// After an "unknown", how long until a pass may ask again (default: the next pass).
+    pub fn with_retry_after(mut self, delay: Duration) -> Self {
+        self.retry_after = delay;
+        self
+    }
+
+    /// How long a result the resolver reports is kept.
+    pub fn with_retention(mut self, retention: Duration) -> Self {
+        self.retention = retention;
+        self
+    }
+
+    /// The store.
+    pub fn store(&self) -> &S {
+        &self.store
+    }
+
+    /// One pass: looks at up to `batch` pending keys whose lease ended and decides each.
+    pub async fn run_once(&self) -> Result<RecoveryReport, StoreError> {
+        let mut report = RecoveryReport::default();
+        for record in self.store.expired_leases(self.batch).await? {
+            self.recover(&record, &mut report).await?;
+        }
+        Ok(report)
+    }
+
+    async fn recover(
+        &self,
+        record: &KeyRecord,
+        report: &mut RecoveryReport,
+    ) -> Result<(), StoreError> {
+        let key = &record.key;
+        let token = LeaseToken::new();
+        if !self
+            .store
+            .claim_for_recovery(key, record.lease_token, token, self.claim_lease)
+            .await?
+        {
+            report.skipped += 1;
+            return Ok(());
+        }
+        // From here on we hold the key with `token`; every write below is conditional on it.
+        let (decision, done) = match record.effects {
+            Effects::Local => {
+                let done = self.store.release(key, token).await?;
+                (Decision::Released, done)
+            }
+            Effects::External => match &self.resolver {
+                None => {
+                    let done = self
+                        .store
+                        .park(
+                            key,
+                            token,
+                            "abandoned external operation; no resolver configured",
+                        )
+                        .await?;
+                    (Decision::Parked, done)
+                }
+                Some(resolver) => match resolver.resolve(record).await {
+                    ProviderAnswer::Completed(result) => {
+                        let done = self
+                            .store
+                            .complete_recovered(
+                                key,
+                                token,
+                                &result,
+                                "recovered: the provider reported it completed",
+                                self.retention,
+                            )
+                            .await?;
+                        (Decision::Completed, done)
+                    }
+                    ProviderAnswer::Failed => {
+                        let done = self.store.release(key, token).await?;
+                        (Decision::Failed, done)
+                    }
+                    ProviderAnswer::Unknown => {
+                        let attempts = record.recovery_attempts.saturating_add(1);
+                        if attempts >= self.max_attempts {
+                            let reason = format!(
+                                "abandoned external operation; the provider's answer was unknown {attempts} times"
+                            );
+                            let done = self.store.park(key, token, &reason).await?;
+                            (Decision::Parked, done)
+                        } else {
+                            let done = self
+                                .store
+                                .note_unknown(key, token, self.retry_after)
+                                .await?;
+                            (Decision::Unknown, done)
+                        }
+                    }
+                },
+            },
+        };
+        report.note(decision, done);
+        tracing::info!(%key, effects = %record.effects, ?decision, done, "idempotency key recovered");
+        Ok(())
+    }
+
+    /// Runs passes every `interval` until `shutdown` completes, and returns the summed report.
+    /// A pass that fails (database down) is logged and retried at the next interval; a pass in
+    /// progress is finished before returning.
+    pub async fn run(
+        &self,
+        interval: Duration,
+        shutdown: impl Future<Output = ()> + Send,
+    ) -> Result<RecoveryReport, StoreError> {
+        self.run_with(interval, shutdown, |_| {}).await
+    }
+
+    /// Like [`run`](Self::run), calling `on_pass` with each pass's outcome.
+    pub async fn run_with(
+        &self,
+        interval: Duration,
+        shutdown: impl Future<Output = ()> + Send,
+        mut on_pass: impl FnMut(&Result<RecoveryReport, StoreError>) + Send,
+    ) -> Result<RecoveryReport, StoreError> {
+        let mut total = RecoveryReport::default();
+        let mut shutdown = std::pin::pin!(shutdown);
+        loop {
+            let pass = self.run_once().await;
+            match &pass {
+                Ok(report) => total.add(report),
+                Err(error) => tracing::warn!(%error, "recovery pass failed; retrying later"),
+            }
+            on_pass(&pass);
+            tokio::select! {
+                _ = &mut shutdown => return Ok(total),
+                _ = tokio::time::sleep(interval) => {}
+            }
+        }
+    }
+}
+
+/// What recovery decided for one key.
+#[derive(Debug, Clone, Copy)]
+enum Decision {
+    Released,
+    Completed,
+    Failed,
+    Parked,
+    Unknown,
+}
+
+impl RecoveryReport {
+    /// Counts a fenced write: under its decision when it acted, as skipped when another party
+    /// changed the key between our claim and our write (possible only after the claim ran out).
+    fn note(&mut self, decision: Decision, done: bool) {
+        let counter = match (done, decision) {
+            (false, _) => &mut self.skipped,
+            (true, Decision::Released) => &mut self.released,
+            (true, Decision::Completed) => &mut self.completed,
+            (true, Decision::Failed) => &mut self.failed,
+            (true, Decision::Parked) => &mut self.parked,
+            (true, Decision::Unknown) => &mut self.unknown,
+        };
+        *counter += 1;
+    }
+}
+
+/// Why [`resolve`] refused.
+///
+/// ```
+/// use idempotency::recovery::ResolveError;
+/// assert!(ResolveError::EmptyReason.to_string().contains("reason"));
+/// ```
+#[derive(Debug, thiserror::Error)]
+pub enum ResolveError {
+    /// A resolution must say why (it is kept on the row).
+    #[error("a reason is required to resolve a key")]
+    EmptyReason,
+    /// No row for that key.
+    #[error("no idempotency key {0}")]
+    NotFound(IdempotencyKey),
+    /// The key is not parked; only `needs_review` keys can be resolved.
+    #[error("key {key} is {state}, not needs_review; only parked keys can be resolved")]
+    NotParked {
+        /// The key.
+        key: IdempotencyKey,
+        /// Its current state.
+        state: KeyState,
+    },
+    /// The store failed.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// Settles a parked key as an operator: `needs_review` → `completed` (with result bytes) or
+/// `failed`, keeping `reason` on the row and the result for `retention`. Returns the updated row.
+///
+/// ```no_run
+/// # #[cfg(feature = "sqlite")]
+/// # async fn demo(store: idempotency::store::sqlite::SqliteStore) -> Result<(), Box<dyn std::error::Error>> {
+/// use idempotency::{recovery::resolve, store::Resolution, IdempotencyKey};
+/// use std::time::Duration;
+/// let key = IdempotencyKey::new("user-1", "charge", "k-9")?;
+/// let row = resolve(&store, &key, &Resolution::Failed, "provider shows no charge", Duration::from_secs(86_400)).await?;
+/// assert_eq!(row.reason.as_deref(), Some("provider shows no charge"));
+/// # Ok(()) }
+/// ```
+pub async fn resolve<S: Maintenance>(
+    store: &S,
+    key: &IdempotencyKey,
+    resolution: &Resolution,
+    reason: &str,
+    retention: Duration,
+) -> Result<KeyRecord, ResolveError> {
+    let reason = reason.trim();
+    if reason.is_empty() {
+        return Err(ResolveError::EmptyReason);
+    }
+    let resolved = store.resolve(key, resolution, reason, retention).await?;
+    let row = store
+        .find(key)
+        .await?
+        .ok_or_else(|| ResolveError::NotFound(key.clone()))?;
+    if !resolved {
+        return Err(ResolveError::NotParked {
+            key: key.clone(),
+            state: row.state,
+        });
+    }
+    Ok(row)
+}
