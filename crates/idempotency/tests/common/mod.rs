@@ -110,6 +110,49 @@ impl Harness for SqliteStore {
     }
 }
 
+impl Harness for idempotency::store::mysql::MySqlStore {
+    const NAME: &'static str = "mysql";
+
+    async fn open() -> Option<Self> {
+        let url = test_support::fresh_mysql_url().await?;
+        let pool = sqlx::mysql::MySqlPoolOptions::new()
+            .max_connections(24)
+            .connect(&url)
+            .await
+            .expect("connect to fresh mysql database");
+        let store = idempotency::store::mysql::MySqlStore::new(pool);
+        store.migrate().await.expect("migrate");
+        sqlx::query(
+            "CREATE TABLE effects (id BIGINT AUTO_INCREMENT PRIMARY KEY, trial VARCHAR(255) NOT NULL) ENGINE = InnoDB",
+        )
+        .execute(store.pool())
+        .await
+        .expect("effects table");
+        Some(store)
+    }
+
+    fn insert_effect<'t>(
+        tx: &'t mut Transaction<'static, sqlx::MySql>,
+        trial: &'t str,
+    ) -> BoxFuture<'t, Result<(), sqlx::Error>> {
+        Box::pin(async move {
+            sqlx::query("INSERT INTO effects (trial) VALUES (?)")
+                .bind(trial)
+                .execute(&mut **tx)
+                .await
+                .map(drop)
+        })
+    }
+
+    async fn count_effects(&self, trial: &str) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM effects WHERE trial = ?")
+            .bind(trial)
+            .fetch_one(self.pool())
+            .await
+            .expect("count effects")
+    }
+}
+
 /// Instantiates each named generic test `async fn name<S: Harness>(store: S)` once per backend.
 #[macro_export]
 macro_rules! backend_tests {
@@ -129,6 +172,16 @@ macro_rules! backend_tests {
                 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
                 async fn $test() {
                     if let Some(store) = <idempotency::store::sqlite::SqliteStore as $crate::common::Harness>::open().await {
+                        super::$test(store).await;
+                    }
+                }
+            )*
+        }
+        mod mysql {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $test() {
+                    if let Some(store) = <idempotency::store::mysql::MySqlStore as $crate::common::Harness>::open().await {
                         super::$test(store).await;
                     }
                 }
