@@ -15,6 +15,8 @@
 //! # }
 //! ```
 
+pub mod proxy;
+
 use sqlx::{Connection, Executor};
 use std::path::PathBuf;
 
