@@ -310,7 +310,8 @@ impl<S: Store> Idempotency<S> {
                 _ => Err(Error::InProgress {
                     retry_after: existing
                         .lease_remaining
-                        .clamp(Duration::from_millis(1), self.max_retry_after),
+                        .min(self.max_retry_after)
+                        .max(Duration::from_millis(1)),
                 }),
             };
         }

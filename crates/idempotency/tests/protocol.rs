@@ -235,6 +235,57 @@ async fn an_expired_lease_is_taken_over_and_the_stale_holder_is_fenced<S: Harnes
     );
 }
 
+/// A worker stalls inside its open business transaction past its lease, while a retry arrives.
+/// Exactly one effect survives. Where the stalled transaction does not block the takeover
+/// (PostgreSQL, MySQL), the retry runs and the stale worker's completion is refused (fencing) and
+/// rolled back; on SQLite the stalled writer holds the database, so the retry waits and replays.
+async fn a_worker_stalled_inside_its_transaction_is_fenced<S: Harness>(store: S) {
+    let lease = Duration::from_millis(300);
+    let idem = Idempotency::new(store.clone()).with_lease(lease);
+    let trial = unique("stalled");
+    let a = attempt("user-1", &trial, json!({"sku": "tea"}));
+    let (wrote_tx, wrote) = tokio::sync::oneshot::channel();
+    let (idem2, a2, t) = (idem.clone(), a.clone(), trial.clone());
+    let stale = tokio::spawn(async move {
+        idem2
+            .run(&a2, move |tx| {
+                Box::pin(async move {
+                    S::insert_effect(tx, &t).await?;
+                    wrote_tx.send(()).unwrap();
+                    tokio::time::sleep(Duration::from_millis(900)).await; // past the lease
+                    Ok::<_, sqlx::Error>(json!({"by": "stale"}))
+                })
+            })
+            .await
+    });
+    wrote.await.unwrap();
+    tokio::time::sleep(lease + Duration::from_millis(100)).await;
+    let retry = idem
+        .run(&a, |tx| {
+            let t = trial.clone();
+            Box::pin(async move {
+                S::insert_effect(tx, &t).await?;
+                Ok::<_, sqlx::Error>(json!({"by": "retry"}))
+            })
+        })
+        .await
+        .unwrap();
+    let stale = stale.await.unwrap();
+    if S::NAME == "sqlite" {
+        assert_eq!(stale.unwrap(), Outcome::Executed(json!({"by": "stale"})));
+        assert_eq!(retry, Outcome::Replayed(json!({"by": "stale"})));
+    } else {
+        assert_eq!(retry, Outcome::Executed(json!({"by": "retry"})));
+        assert!(matches!(stale, Err(Error::LeaseLost)), "{stale:?}");
+    }
+    assert_eq!(
+        store.count_effects(&trial).await,
+        1,
+        "{}: exactly one effect",
+        S::NAME
+    );
+}
+
 async fn an_external_operation_is_not_taken_over<S: Harness>(store: S) {
     let lease = Duration::from_millis(200);
     let idem = Idempotency::new(store.clone()).with_lease(lease);
@@ -347,6 +398,7 @@ backend_tests!(
     a_cancelled_operation_releases_the_key,
     a_completed_key_is_never_released,
     an_expired_lease_is_taken_over_and_the_stale_holder_is_fenced,
+    a_worker_stalled_inside_its_transaction_is_fenced,
     an_external_operation_is_not_taken_over,
     an_expired_key_runs_anew,
     a_definitive_refusal_is_stored_and_replayed,
