@@ -55,12 +55,15 @@ pub struct Purge<S> {
 }
 
 impl<S: Maintenance> Purge<S> {
-    /// A purge with batches of 1,000 rows and no pause.
+    /// A purge with batches of 1,000 rows and a 10 ms pause between batches.
+    ///
+    /// The pause lets writers waiting for SQLite's single write lock in (its busy handler retries
+    /// after 1, 2, 5, 10 … ms); on PostgreSQL and MySQL it only spreads the load.
     pub fn new(store: S) -> Self {
         Self {
             store,
             batch: 1_000,
-            pause: Duration::ZERO,
+            pause: Duration::from_millis(10),
         }
     }
 
@@ -70,7 +73,8 @@ impl<S: Maintenance> Purge<S> {
         self
     }
 
-    /// A pause between batches, leaving room to other writers (SQLite has one writer at a time).
+    /// The pause between batches, leaving room to other writers (SQLite has one writer at a
+    /// time); zero yields to the runtime only.
     pub fn with_pause(mut self, pause: Duration) -> Self {
         self.pause = pause;
         self

@@ -425,18 +425,21 @@ impl super::Maintenance for PgStore {
     }
 
     async fn purge_batch(&self, batch: u32) -> Result<u64, StoreError> {
-        // The inner SELECT locks at most `batch` expired rows, skipping rows other sessions hold
-        // (a concurrent purge or take-over), and re-checks its condition on the latest row
-        // version; the DELETE then removes exactly those rows by primary key.
+        // The CTE is evaluated once: it locks at most `batch` expired rows, skipping rows other
+        // sessions hold (a concurrent purge or take-over), re-checking its condition on the
+        // latest row version; the DELETE then removes exactly those rows by primary key. (An
+        // `IN (SELECT … LIMIT n FOR UPDATE SKIP LOCKED)` may be rescanned by the planner and
+        // delete more than `n` rows.)
         let done = sqlx::query(
-            "DELETE FROM idempotency_keys
-             WHERE (scope, operation, idem_key) IN (
+            "WITH batch AS MATERIALIZED (
                  SELECT scope, operation, idem_key FROM idempotency_keys
                  WHERE state IN ('completed', 'failed') AND expires_at <= now()
                  ORDER BY expires_at
                  LIMIT $1
                  FOR UPDATE SKIP LOCKED)
-               AND state IN ('completed', 'failed') AND expires_at <= now()",
+             DELETE FROM idempotency_keys k USING batch b
+             WHERE k.scope = b.scope AND k.operation = b.operation AND k.idem_key = b.idem_key
+               AND k.state IN ('completed', 'failed') AND k.expires_at <= now()",
         )
         .bind(i64::from(batch))
         .execute(&self.pool)
