@@ -1,1 +1,142 @@
-//! tower/axum middleware for the `Idempotency-Key` header (work in progress).
+//! tower/axum middleware for the `Idempotency-Key` header, on the reserve-first
+//! [`idempotency`] engine: a retried, double-clicked or re-queued POST runs **once**; its retries
+//! get the stored response back, byte for byte, with `Idempotent-Replayed: true`.
+//!
+//! # What the layer does, per request
+//!
+//! 1. Methods other than the configured ones (default POST and PATCH) pass through.
+//! 2. Reads `Idempotency-Key`, in the IETF draft form (a Structured Field String, `"abc-123"`)
+//!    or Stripe's bare form (`abc-123`); 1..=255 printable ASCII characters. Invalid → 400;
+//!    missing → 400 on a [`KeyRequirement::Required`] route, or the request runs unprotected on an
+//!    [`KeyRequirement::Optional`] one.
+//! 3. Finds the **scope** (whose key space: user, tenant) with the configured source (default: the
+//!    [`IdempotencyScope`] extension an auth layer inserted). None → 401 or a fixed scope
+//!    ([`MissingScope`]). The key is `(scope, operation, key)`: two users sending the same key
+//!    never see each other's responses.
+//! 4. The **operation** is `METHOD /route/{template}` from axum's
+//!    [`MatchedPath`](axum::extract::MatchedPath) (so attach the layer with
+//!    `Router::route_layer`), or a fixed name ([`IdempotencyLayer::operation`]).
+//! 5. Reads the body (over the limit, default 1 MiB → 413) and **fingerprints** method, path and
+//!    query, the configured headers, and the body (canonical JSON, RFC 8785, for JSON content
+//!    types, where a body that is not JSON → 400; raw bytes otherwise). Nothing is reserved before
+//!    this point.
+//! 6. **Reserves** the key (committed on its own). Completed before → replay. Same key, other
+//!    fingerprint → 422. Still running → 409 with `Retry-After`. Parked → 409. Store unreachable
+//!    → 503, and the handler is **not** run.
+//! 7. Runs the handler. If it extracts [`IdempotentTx`], the business transaction is begun then
+//!    (never for handlers that do not ask for it).
+//! 8. A response the predicate stores (default status < 500) is captured as a
+//!    [`StoredResponse`] (status, `Content-Type`, `Location` and the configured headers, never
+//!    cookies or credentials, and the body) and the key is **completed with it inside the
+//!    handler's transaction**, then that transaction commits: the handler's rows and the stored
+//!    response exist together or not at all. A 5xx, a panic, or a dropped connection (the server
+//!    cancels the request future) rolls the transaction back and **releases** the key, so a retry
+//!    runs again.
+//!
+//! Refusals are `application/problem+json` (RFC 9457, [`Problem`], [`problem::types`]).
+//!
+//! # Handlers that do not take the transaction
+//!
+//! They work: the layer then completes the key in a transaction of its own after the handler
+//! returned. What that gives up is atomicity: if the process dies (or the store fails) between
+//! the handler's own commit and the key's completion, the work is done but the key is released
+//! (or stays pending until its lease ends, then is taken over), and a retry runs the handler a
+//! second time. Use [`IdempotentTx`] for every write the operation makes, or make the handler
+//! itself idempotent (a unique constraint on a business key).
+//!
+//! # Key lifetime
+//!
+//! A pending key is held for the **lease** (default 60 s, [`IdempotencyLayer::with_lease`]):
+//! retries meanwhile get 409 + `Retry-After`. A worker that died without releasing its key (a
+//! crash, not a cancellation) leaves it pending until the lease ends; with [`Effects::Local`] the
+//! next retry then takes it over, with [`Effects::External`] only the recovery job (`idem
+//! recover`) or an operator may. A completed key and its stored response are kept for the
+//! **retention** (default 24 h, [`IdempotencyLayer::with_retention`]), counted from completion;
+//! after that the same key is a new request (rows are purged by `idem purge`). With
+//! [`IdempotencyLayer::expiry_header`] protected responses carry
+//! `Idempotency-Key-Retention: <seconds>`.
+//!
+//! # Observability
+//!
+//! Each protected request runs in a `tracing` span `idempotency` with `scope`, `operation` and
+//! `method` (never the body or the key), and counts one `idempotency_requests_total{outcome}`
+//! through the [`metrics`](::metrics) facade (see [`metrics`](crate::metrics) for the outcomes).
+//!
+//! # Example
+//!
+//! ```no_run
+//! use axum::{extract::Request, middleware::{self, Next}, response::{IntoResponse, Response}, routing::post, Json, Router};
+//! use http::StatusCode;
+//! use idempotency::{store::{postgres::PgStore, Store}, Idempotency};
+//! use idempotency_http::{problem::Problem, IdempotencyLayer, IdempotencyScope, IdempotentTx, KeyRequirement};
+//! use sqlx::Postgres;
+//!
+//! #[derive(serde::Deserialize)]
+//! struct NewOrder { sku: String, quantity: i32 }
+//!
+//! // The business rows go into the layer's transaction: they commit with the stored response.
+//! async fn create_order(mut tx: IdempotentTx<Postgres>, Json(order): Json<NewOrder>) -> Response {
+//!     let id: i64 = match sqlx::query_scalar("INSERT INTO orders (sku, quantity) VALUES ($1, $2) RETURNING id")
+//!         .bind(&order.sku)
+//!         .bind(order.quantity)
+//!         .fetch_one(&mut **tx)
+//!         .await
+//!     {
+//!         Ok(id) => id,
+//!         // 5xx: rolled back, key released, a retry runs again.
+//!         Err(_) => return StatusCode::INTERNAL_SERVER_ERROR.into_response(),
+//!     };
+//!     (StatusCode::CREATED, [("location", format!("/orders/{id}"))], Json(serde_json::json!({"id": id}))).into_response()
+//! }
+//!
+//! // The auth layer names the scope; the same helper answers its own errors as problem+json.
+//! async fn authenticate(mut request: Request, next: Next) -> Response {
+//!     let user = request.headers().get("x-user").and_then(|v| v.to_str().ok()).map(str::to_owned);
+//!     match user {
+//!         Some(user) => {
+//!             request.extensions_mut().insert(IdempotencyScope(user));
+//!             next.run(request).await
+//!         }
+//!         None => Problem::new(StatusCode::UNAUTHORIZED, "https://shop.example/problems/login", "Log in first")
+//!             .into_response(),
+//!     }
+//! }
+//!
+//! #[tokio::main]
+//! async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//!     let pool = sqlx::PgPool::connect("postgres://shop@127.0.0.1/shop").await?;
+//!     let store = PgStore::new(pool);
+//!     store.migrate().await?;
+//!     let idempotency = IdempotencyLayer::new(Idempotency::new(store))
+//!         .key_requirement(KeyRequirement::Required);
+//!     let app = Router::new()
+//!         .route("/orders", post(create_order))
+//!         .route_layer(idempotency)
+//!         .layer(middleware::from_fn(authenticate));
+//!     let listener = tokio::net::TcpListener::bind("127.0.0.1:3000").await?;
+//!     axum::serve(listener, app).await?;
+//!     Ok(())
+//! }
+//! ```
+
+#![warn(missing_docs)]
+
+pub mod error;
+pub mod header;
+pub mod layer;
+pub mod metrics;
+pub mod problem;
+pub mod service;
+pub mod stored;
+pub mod tx;
+
+pub use error::IdempotencyRejection;
+pub use layer::{
+    IdempotencyLayer, IdempotencyScope, KeyRequirement, MissingScope, DEFAULT_BODY_LIMIT,
+};
+pub use problem::Problem;
+pub use service::{IdempotencyService, ResponseFuture};
+pub use stored::StoredResponse;
+pub use tx::{IdempotentTx, TxRejection};
+
+pub use idempotency::{Effects, Idempotency};

@@ -1,0 +1,177 @@
+//! Why the layer refused a request, and the problem response for each reason.
+
+use crate::{
+    header::KeyHeaderError,
+    problem::{types, Problem},
+};
+use http::StatusCode;
+use idempotency::StoreError;
+use std::time::Duration;
+
+/// Why the layer answered instead of the handler (or after it, for [`LeaseLost`](Self::LeaseLost)).
+///
+/// Each maps to an RFC 9457 [`Problem`] with a stable `type` URI from [`types`].
+///
+/// ```
+/// use idempotency_http::IdempotencyRejection;
+/// let problem = IdempotencyRejection::KeyReused.to_problem();
+/// assert_eq!(problem.status, 422);
+/// assert_eq!(problem.type_uri, "https://idempotency.dev/problems/key-reused");
+/// ```
+#[derive(Debug, thiserror::Error)]
+pub enum IdempotencyRejection {
+    /// The route requires a key and the request has none (400).
+    #[error("this request needs an Idempotency-Key header")]
+    KeyMissing,
+    /// The header is malformed, repeated or too long (400).
+    #[error(transparent)]
+    KeyInvalid(#[from] KeyHeaderError),
+    /// No scope for the request and the layer is configured to reject (401).
+    #[error("no scope (authenticated user or tenant) for this request")]
+    ScopeMissing,
+    /// The request body is larger than the limit (413); nothing was reserved.
+    #[error("the request body is larger than {limit} bytes")]
+    BodyTooLarge {
+        /// The layer's limit in bytes.
+        limit: usize,
+    },
+    /// A JSON content type with a body that is not JSON (400); nothing was reserved.
+    #[error("the request body is not valid JSON: {0}")]
+    BodyNotJson(#[source] serde_json::Error),
+    /// The request body could not be read (400).
+    #[error("the request body could not be read: {0}")]
+    BodyUnreadable(String),
+    /// The key was used before with a different request (422).
+    #[error("the idempotency key was already used with a different request")]
+    KeyReused,
+    /// A request with the same key is still running (409 with `Retry-After`).
+    #[error("a request with this idempotency key is still in progress")]
+    InProgress {
+        /// When to retry.
+        retry_after: Duration,
+    },
+    /// The key is parked for an operator (409).
+    #[error("the operation for this idempotency key needs review by an operator")]
+    NeedsReview,
+    /// The lease was lost while the handler ran; its work was rolled back (409).
+    #[error("the lease on the idempotency key was lost; the work was rolled back")]
+    LeaseLost,
+    /// The store cannot be reached (503); the handler was not run.
+    #[error("the idempotency store is unavailable: {0}")]
+    StoreUnavailable(#[source] StoreError),
+    /// Anything else (500): a corrupt stored response, a store failure that is not an outage, a
+    /// transaction held past the response.
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl IdempotencyRejection {
+    /// The problem document for this rejection.
+    pub fn to_problem(&self) -> Problem {
+        use IdempotencyRejection::*;
+        let (status, type_uri, title) = match self {
+            KeyMissing => (
+                StatusCode::BAD_REQUEST,
+                types::KEY_MISSING,
+                "Idempotency-Key header missing",
+            ),
+            KeyInvalid(_) => (
+                StatusCode::BAD_REQUEST,
+                types::KEY_INVALID,
+                "Idempotency-Key header invalid",
+            ),
+            ScopeMissing => (
+                StatusCode::UNAUTHORIZED,
+                types::SCOPE_MISSING,
+                "Authentication required",
+            ),
+            BodyTooLarge { .. } => (
+                StatusCode::PAYLOAD_TOO_LARGE,
+                types::BODY_TOO_LARGE,
+                "Request body too large",
+            ),
+            BodyNotJson(_) => (
+                StatusCode::BAD_REQUEST,
+                types::BODY_NOT_JSON,
+                "Request body is not JSON",
+            ),
+            BodyUnreadable(_) => (
+                StatusCode::BAD_REQUEST,
+                types::BODY_UNREADABLE,
+                "Request body unreadable",
+            ),
+            KeyReused => (
+                StatusCode::UNPROCESSABLE_ENTITY,
+                types::KEY_REUSED,
+                "Idempotency-Key reused with a different request",
+            ),
+            InProgress { .. } => (
+                StatusCode::CONFLICT,
+                types::IN_PROGRESS,
+                "A request with this Idempotency-Key is in progress",
+            ),
+            NeedsReview => (
+                StatusCode::CONFLICT,
+                types::NEEDS_REVIEW,
+                "The request with this Idempotency-Key needs review",
+            ),
+            LeaseLost => (
+                StatusCode::CONFLICT,
+                types::LEASE_LOST,
+                "The request with this Idempotency-Key took too long",
+            ),
+            StoreUnavailable(_) => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                types::STORE_UNAVAILABLE,
+                "Idempotency store unavailable",
+            ),
+            Internal(_) => (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                types::INTERNAL,
+                "Internal error",
+            ),
+        };
+        let problem = Problem::new(status, type_uri, title).with_detail(self.to_string());
+        match self {
+            InProgress { retry_after } => problem.with_retry_after(*retry_after),
+            StoreUnavailable(_) => problem.with_retry_after(Duration::from_secs(1)),
+            _ => problem,
+        }
+    }
+
+    /// The `outcome` label counted in `idempotency_requests_total` for this rejection.
+    pub fn outcome(&self) -> &'static str {
+        use IdempotencyRejection::*;
+        match self {
+            InProgress { .. } | NeedsReview | LeaseLost => crate::metrics::CONFLICT,
+            KeyReused => crate::metrics::REUSED,
+            StoreUnavailable(_) => crate::metrics::UNAVAILABLE,
+            Internal(_) => crate::metrics::FAILED,
+            _ => crate::metrics::REJECTED,
+        }
+    }
+
+    /// Classifies an engine error: an outage or contention is 503, other store failures 500.
+    pub fn from_engine(error: idempotency::Error) -> Self {
+        use idempotency::Error;
+        match error {
+            Error::KeyReused => Self::KeyReused,
+            Error::InProgress { retry_after } => Self::InProgress { retry_after },
+            Error::NeedsReview => Self::NeedsReview,
+            Error::LeaseLost => Self::LeaseLost,
+            Error::InvalidKey(e) => Self::Internal(e.to_string()),
+            Error::Store(e) if e.is_unavailable() || matches!(e, StoreError::Contention(_)) => {
+                Self::StoreUnavailable(e)
+            }
+            Error::Store(e) => Self::Internal(e.to_string()),
+            Error::Serialization(e) => Self::Internal(e.to_string()),
+            Error::Operation(never) => match never {},
+        }
+    }
+}
+
+impl axum::response::IntoResponse for IdempotencyRejection {
+    fn into_response(self) -> axum::response::Response {
+        self.to_problem().into_http_response()
+    }
+}

@@ -1,0 +1,411 @@
+//! [`IdempotencyLayer`]: the configuration and builder, and the [`tower::Layer`] impl.
+
+use crate::service::IdempotencyService;
+use http::{request::Parts, HeaderName, Method, StatusCode};
+use idempotency::{Effects, Idempotency, Store};
+use std::{fmt, sync::Arc, time::Duration};
+
+/// Default largest request body read for fingerprinting: 1 MiB.
+pub const DEFAULT_BODY_LIMIT: usize = 1024 * 1024;
+
+/// Whether a protected route needs an `Idempotency-Key`.
+///
+/// ```
+/// use idempotency_http::KeyRequirement;
+/// assert_eq!(KeyRequirement::default(), KeyRequirement::Required);
+/// ```
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum KeyRequirement {
+    /// A request without the header is refused with 400 (`key-missing`).
+    #[default]
+    Required,
+    /// A request without the header runs unprotected (as if the layer were not there).
+    Optional,
+}
+
+/// What to do when the scope source finds no scope (no authenticated user) for a request.
+///
+/// ```
+/// use idempotency_http::MissingScope;
+/// let shared = MissingScope::Fixed("anonymous".into());
+/// assert_ne!(shared, MissingScope::Reject);
+/// ```
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum MissingScope {
+    /// Refuse with 401 (`scope-missing`).
+    #[default]
+    Reject,
+    /// Use this scope for every request without one (all such clients share one key space).
+    Fixed(String),
+}
+
+/// The scope of a request, for auth layers to put into the request extensions; the layer's
+/// default scope source reads it.
+///
+/// ```
+/// use idempotency_http::IdempotencyScope;
+/// let mut request = http::Request::new(());
+/// request.extensions_mut().insert(IdempotencyScope("user-42".into()));
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct IdempotencyScope(pub String);
+
+type ScopeFn = dyn Fn(&Parts) -> Option<String> + Send + Sync;
+type OperationFn = dyn Fn(&Parts) -> String + Send + Sync;
+type StatusPredicate = dyn Fn(StatusCode) -> bool + Send + Sync;
+
+#[derive(Clone)]
+pub(crate) enum OperationSource {
+    /// `METHOD /matched/{template}` (or the literal path without a [`axum::extract::MatchedPath`]).
+    MethodAndRoute,
+    Fixed(String),
+    Custom(Arc<OperationFn>),
+}
+
+/// Everything the service needs; shared behind an `Arc`.
+pub(crate) struct Settings<S> {
+    pub(crate) idempotency: Idempotency<S>,
+    pub(crate) methods: Vec<Method>,
+    pub(crate) key_requirement: KeyRequirement,
+    pub(crate) scope: Arc<ScopeFn>,
+    pub(crate) missing_scope: MissingScope,
+    pub(crate) operation: OperationSource,
+    pub(crate) effects: Effects,
+    pub(crate) fingerprint_headers: Vec<HeaderName>,
+    pub(crate) stored_headers: Vec<HeaderName>,
+    pub(crate) body_limit: usize,
+    pub(crate) store_response_if: Arc<StatusPredicate>,
+    pub(crate) expiry_header: bool,
+}
+
+impl<S: Clone> Clone for Settings<S> {
+    fn clone(&self) -> Self {
+        Self {
+            idempotency: self.idempotency.clone(),
+            methods: self.methods.clone(),
+            key_requirement: self.key_requirement,
+            scope: self.scope.clone(),
+            missing_scope: self.missing_scope.clone(),
+            operation: self.operation.clone(),
+            effects: self.effects,
+            fingerprint_headers: self.fingerprint_headers.clone(),
+            stored_headers: self.stored_headers.clone(),
+            body_limit: self.body_limit,
+            store_response_if: self.store_response_if.clone(),
+            expiry_header: self.expiry_header,
+        }
+    }
+}
+
+/// A [`tower::Layer`] that makes non-idempotent requests carrying an `Idempotency-Key` run at most
+/// once, replaying the stored response to retries.
+///
+/// Build one per route (or per group of routes sharing a policy) and attach it with
+/// `Router::route_layer`, so axum's [`MatchedPath`](axum::extract::MatchedPath) names the
+/// operation. The defaults: POST and PATCH protected, key required, scope from the
+/// [`IdempotencyScope`] extension (401 when absent), operation `"POST /orders/{id}/pay"`, no
+/// headers in the fingerprint, 1 MiB body limit, responses with status < 500 stored,
+/// [`Effects::Local`], and the lease and retention of the [`Idempotency`] engine.
+///
+/// ```no_run
+/// use axum::{routing::post, Router};
+/// use http::{HeaderName, Method};
+/// use idempotency::{store::postgres::PgStore, Effects, Idempotency};
+/// use idempotency_http::{IdempotencyLayer, KeyRequirement, MissingScope};
+/// use std::time::Duration;
+///
+/// # async fn demo(pool: sqlx::PgPool) {
+/// let engine = Idempotency::new(PgStore::new(pool))
+///     .with_lease(Duration::from_secs(30))
+///     .with_retention(Duration::from_secs(24 * 3600));
+/// let layer = IdempotencyLayer::new(engine)
+///     .methods([Method::POST])
+///     .key_requirement(KeyRequirement::Required)
+///     .scope_from(|parts| parts.headers.get("x-user-id")?.to_str().ok().map(str::to_owned))
+///     .missing_scope(MissingScope::Reject)
+///     .fingerprint_headers([HeaderName::from_static("x-currency")])
+///     .stored_headers([HeaderName::from_static("x-order-id")])
+///     .body_limit(64 * 1024)
+///     .effects(Effects::External);
+/// let app: Router = Router::new()
+///     .route("/payments", post(|| async { "paid" }))
+///     .route_layer(layer);
+/// # }
+/// ```
+pub struct IdempotencyLayer<S> {
+    pub(crate) settings: Settings<S>,
+}
+
+impl<S: Clone> Clone for IdempotencyLayer<S> {
+    fn clone(&self) -> Self {
+        Self {
+            settings: self.settings.clone(),
+        }
+    }
+}
+
+impl<S> fmt::Debug for IdempotencyLayer<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = &self.settings;
+        f.debug_struct("IdempotencyLayer")
+            .field("methods", &s.methods)
+            .field("key_requirement", &s.key_requirement)
+            .field("missing_scope", &s.missing_scope)
+            .field("effects", &s.effects)
+            .field("fingerprint_headers", &s.fingerprint_headers)
+            .field("stored_headers", &s.stored_headers)
+            .field("body_limit", &s.body_limit)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S: Store> IdempotencyLayer<S> {
+    /// A layer with the defaults described on [`IdempotencyLayer`], on `idempotency`'s store,
+    /// lease and retention.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), idempotency::StoreError> {
+    /// use idempotency::{store::{sqlite::SqliteStore, Store}, Idempotency};
+    /// let store = SqliteStore::connect("sqlite://shop.db?mode=rwc").await?;
+    /// store.migrate().await?;
+    /// let layer = idempotency_http::IdempotencyLayer::new(Idempotency::new(store));
+    /// # Ok(()) }
+    /// ```
+    pub fn new(idempotency: Idempotency<S>) -> Self {
+        Self {
+            settings: Settings {
+                idempotency,
+                methods: vec![Method::POST, Method::PATCH],
+                key_requirement: KeyRequirement::Required,
+                scope: Arc::new(|parts: &Parts| {
+                    parts
+                        .extensions
+                        .get::<IdempotencyScope>()
+                        .map(|scope| scope.0.clone())
+                }),
+                missing_scope: MissingScope::Reject,
+                operation: OperationSource::MethodAndRoute,
+                effects: Effects::Local,
+                fingerprint_headers: Vec::new(),
+                stored_headers: Vec::new(),
+                body_limit: DEFAULT_BODY_LIMIT,
+                store_response_if: Arc::new(|status: StatusCode| !status.is_server_error()),
+                expiry_header: false,
+            },
+        }
+    }
+
+    /// The methods the layer protects (default POST and PATCH); others pass through untouched.
+    ///
+    /// ```no_run
+    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::store::sqlite::SqliteStore>) {
+    /// let layer = layer.methods([http::Method::POST, http::Method::PATCH, http::Method::DELETE]);
+    /// # }
+    /// ```
+    pub fn methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
+        self.settings.methods = methods.into_iter().collect();
+        self
+    }
+
+    /// Whether the key is required (missing → 400) or optional (missing → run unprotected).
+    ///
+    /// ```no_run
+    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::store::sqlite::SqliteStore>) {
+    /// let layer = layer.key_requirement(idempotency_http::KeyRequirement::Optional);
+    /// # }
+    /// ```
+    pub fn key_requirement(mut self, requirement: KeyRequirement) -> Self {
+        self.settings.key_requirement = requirement;
+        self
+    }
+
+    /// Where the scope (whose key space) comes from: a function of the request head, typically
+    /// reading what the auth layer put into the extensions. Replaces the default, which reads
+    /// the [`IdempotencyScope`] extension.
+    ///
+    /// ```no_run
+    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::store::sqlite::SqliteStore>) {
+    /// #[derive(Clone)]
+    /// struct User { id: u64 }
+    /// let layer = layer.scope_from(|parts| parts.extensions.get::<User>().map(|u| format!("user-{}", u.id)));
+    /// # }
+    /// ```
+    pub fn scope_from(
+        mut self,
+        scope: impl Fn(&Parts) -> Option<String> + Send + Sync + 'static,
+    ) -> Self {
+        self.settings.scope = Arc::new(scope);
+        self
+    }
+
+    /// What to do when there is no scope (default: reject with 401).
+    ///
+    /// ```no_run
+    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::store::sqlite::SqliteStore>) {
+    /// let layer = layer.missing_scope(idempotency_http::MissingScope::Fixed("public".into()));
+    /// # }
+    /// ```
+    pub fn missing_scope(mut self, missing: MissingScope) -> Self {
+        self.settings.missing_scope = missing;
+        self
+    }
+
+    /// A fixed operation name for the route, instead of `METHOD /route/{template}`.
+    ///
+    /// ```no_run
+    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::store::sqlite::SqliteStore>) {
+    /// let layer = layer.operation("purchase");
+    /// # }
+    /// ```
+    pub fn operation(mut self, operation: impl Into<String>) -> Self {
+        self.settings.operation = OperationSource::Fixed(operation.into());
+        self
+    }
+
+    /// The operation name as a function of the request head.
+    ///
+    /// ```no_run
+    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::store::sqlite::SqliteStore>) {
+    /// let layer = layer.operation_from(|parts| format!("{} v2", parts.method));
+    /// # }
+    /// ```
+    pub fn operation_from(
+        mut self,
+        operation: impl Fn(&Parts) -> String + Send + Sync + 'static,
+    ) -> Self {
+        self.settings.operation = OperationSource::Custom(Arc::new(operation));
+        self
+    }
+
+    /// What the handler touches (default [`Effects::Local`]): with [`Effects::External`] a key
+    /// whose worker vanished is never taken over automatically (the recovery job or an operator
+    /// decides), and retries get 409 until then.
+    ///
+    /// ```no_run
+    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::store::sqlite::SqliteStore>) {
+    /// let layer = layer.effects(idempotency::Effects::External);
+    /// # }
+    /// ```
+    pub fn effects(mut self, effects: Effects) -> Self {
+        self.settings.effects = effects;
+        self
+    }
+
+    /// Request headers that are part of the fingerprint (beside method, path and body): a retry
+    /// with another value is a different request (422).
+    ///
+    /// ```no_run
+    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::store::sqlite::SqliteStore>) {
+    /// let layer = layer.fingerprint_headers([http::HeaderName::from_static("x-currency")]);
+    /// # }
+    /// ```
+    pub fn fingerprint_headers(mut self, headers: impl IntoIterator<Item = HeaderName>) -> Self {
+        self.settings.fingerprint_headers = headers.into_iter().collect();
+        self
+    }
+
+    /// Response headers stored and replayed beside `Content-Type` and `Location`. Cookies and
+    /// authentication headers are never stored ([`NEVER_STORED`](crate::stored::NEVER_STORED)).
+    ///
+    /// ```no_run
+    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::store::sqlite::SqliteStore>) {
+    /// let layer = layer.stored_headers([http::HeaderName::from_static("x-order-id")]);
+    /// # }
+    /// ```
+    pub fn stored_headers(mut self, headers: impl IntoIterator<Item = HeaderName>) -> Self {
+        self.settings.stored_headers = headers.into_iter().collect();
+        self
+    }
+
+    /// The largest request body read (default 1 MiB); a larger one is refused with 413 before
+    /// anything is reserved.
+    ///
+    /// ```no_run
+    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::store::sqlite::SqliteStore>) {
+    /// let layer = layer.body_limit(16 * 1024);
+    /// # }
+    /// ```
+    pub fn body_limit(mut self, bytes: usize) -> Self {
+        self.settings.body_limit = bytes;
+        self
+    }
+
+    /// Which responses are stored (and replayed to retries) and committed with the handler's
+    /// transaction; the others roll it back and release the key so a retry runs again.
+    /// Default: status < 500.
+    ///
+    /// ```no_run
+    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::store::sqlite::SqliteStore>) {
+    /// // Also let 429 be retried.
+    /// let layer = layer.store_response_if(|status| !status.is_server_error() && status != 429);
+    /// # }
+    /// ```
+    pub fn store_response_if(
+        mut self,
+        predicate: impl Fn(StatusCode) -> bool + Send + Sync + 'static,
+    ) -> Self {
+        self.settings.store_response_if = Arc::new(predicate);
+        self
+    }
+
+    /// Adds `Idempotency-Key-Retention: <seconds>` to protected responses (first and replayed),
+    /// telling clients how long after completion the key is remembered (default off).
+    ///
+    /// ```no_run
+    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::store::sqlite::SqliteStore>) {
+    /// let layer = layer.expiry_header(true);
+    /// # }
+    /// ```
+    pub fn expiry_header(mut self, enabled: bool) -> Self {
+        self.settings.expiry_header = enabled;
+        self
+    }
+
+    /// The engine: store, lease and retention.
+    pub fn idempotency(&self) -> &Idempotency<S> {
+        &self.settings.idempotency
+    }
+
+    /// How long a handler may run before its key may be taken over (local effects).
+    pub fn lease(&self) -> Duration {
+        self.settings.idempotency.lease()
+    }
+
+    /// How long a completed key and its stored response are kept.
+    pub fn retention(&self) -> Duration {
+        self.settings.idempotency.retention()
+    }
+
+    /// Replaces the lease length.
+    ///
+    /// ```no_run
+    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::store::sqlite::SqliteStore>) {
+    /// let layer = layer.with_lease(std::time::Duration::from_secs(10));
+    /// assert_eq!(layer.lease().as_secs(), 10);
+    /// # }
+    /// ```
+    pub fn with_lease(mut self, lease: Duration) -> Self {
+        self.settings.idempotency = self.settings.idempotency.with_lease(lease);
+        self
+    }
+
+    /// Replaces the retention.
+    ///
+    /// ```no_run
+    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::store::sqlite::SqliteStore>) {
+    /// let layer = layer.with_retention(std::time::Duration::from_secs(3600));
+    /// # }
+    /// ```
+    pub fn with_retention(mut self, retention: Duration) -> Self {
+        self.settings.idempotency = self.settings.idempotency.with_retention(retention);
+        self
+    }
+}
+
+impl<S: Store, Inner> tower::Layer<Inner> for IdempotencyLayer<S> {
+    type Service = IdempotencyService<S, Inner>;
+
+    fn layer(&self, inner: Inner) -> Self::Service {
+        IdempotencyService::new(Arc::new(self.settings.clone()), inner)
+    }
+}

@@ -1,0 +1,40 @@
+//! The `idempotency_requests_total{outcome}` counter, through the [`metrics`](::metrics) facade.
+//!
+//! Install any `metrics` recorder (Prometheus exporter …) to collect it. Outcomes:
+//!
+//! | outcome | meaning |
+//! |---|---|
+//! | `executed` | the handler ran and its response was stored with its transaction |
+//! | `replayed` | a stored response was sent again |
+//! | `conflict` | 409: in progress, needs review, or lease lost |
+//! | `reused` | 422: key reused with a different request |
+//! | `released` | the handler answered 5xx (or unstored), panicked or was cancelled; the key was released |
+//! | `rejected` | 400/401/413 before anything was reserved |
+//! | `unavailable` | 503: the store could not be reached; the handler did not run |
+//! | `failed` | 500: an internal failure of the layer |
+//! | `unprotected` | optional key absent: the handler ran without protection |
+
+/// The counter's name.
+pub const REQUESTS_TOTAL: &str = "idempotency_requests_total";
+/// See the module table.
+pub const EXECUTED: &str = "executed";
+/// See the module table.
+pub const REPLAYED: &str = "replayed";
+/// See the module table.
+pub const CONFLICT: &str = "conflict";
+/// See the module table.
+pub const REUSED: &str = "reused";
+/// See the module table.
+pub const RELEASED: &str = "released";
+/// See the module table.
+pub const REJECTED: &str = "rejected";
+/// See the module table.
+pub const UNAVAILABLE: &str = "unavailable";
+/// See the module table.
+pub const FAILED: &str = "failed";
+/// See the module table.
+pub const UNPROTECTED: &str = "unprotected";
+
+pub(crate) fn count(outcome: &'static str) {
+    ::metrics::counter!(REQUESTS_TOTAL, "outcome" => outcome).increment(1);
+}

@@ -1,0 +1,529 @@
+//! [`IdempotencyService`] and its [`ResponseFuture`]: the protocol of the article, per request.
+//!
+//! Read [`protect`] top to bottom: parse the key, read and fingerprint the body, **reserve**,
+//! **run** the handler with the business transaction in the request extensions, then **complete**
+//! the key with the stored response in that transaction (or **release** it on 5xx, panic or
+//! cancellation).
+
+use crate::{
+    error::IdempotencyRejection,
+    header::{key_from_headers, IDEMPOTENCY_KEY_RETENTION},
+    layer::{KeyRequirement, MissingScope, OperationSource, Settings},
+    metrics::{self, count},
+    stored::StoredResponse,
+    tx::{Returned, TxSlot},
+};
+use axum::{body::Body, extract::MatchedPath};
+use bytes::Bytes;
+use futures_util::{future::BoxFuture, FutureExt};
+use http::{header, request::Parts, HeaderMap, HeaderValue, Request, Response};
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+use idempotency::{Attempt, Fingerprint, IdempotencyKey, Lease, Reservation, Store};
+use std::{
+    future::Future,
+    panic::AssertUnwindSafe,
+    pin::Pin,
+    sync::Arc,
+    task::{Context, Poll},
+};
+use tower::Service;
+use tracing::Instrument;
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The middleware made by [`IdempotencyLayer`](crate::IdempotencyLayer); see there.
+///
+/// It accepts any request body and hands the inner service a `Request<axum::body::Body>` (the
+/// body is read once for the fingerprint, then replayed to the handler).
+pub struct IdempotencyService<S, Inner> {
+    settings: Arc<Settings<S>>,
+    inner: Inner,
+}
+
+impl<S, Inner: Clone> Clone for IdempotencyService<S, Inner> {
+    fn clone(&self) -> Self {
+        Self {
+            settings: self.settings.clone(),
+            inner: self.inner.clone(),
+        }
+    }
+}
+
+impl<S, Inner: std::fmt::Debug> std::fmt::Debug for IdempotencyService<S, Inner> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IdempotencyService")
+            .field("inner", &self.inner)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S, Inner> IdempotencyService<S, Inner> {
+    pub(crate) fn new(settings: Arc<Settings<S>>, inner: Inner) -> Self {
+        Self { settings, inner }
+    }
+}
+
+/// The response future of [`IdempotencyService`].
+pub struct ResponseFuture<E> {
+    inner: BoxFuture<'static, Result<Response<Body>, E>>,
+}
+
+impl<E> std::fmt::Debug for ResponseFuture<E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ResponseFuture").finish_non_exhaustive()
+    }
+}
+
+impl<E> Future for ResponseFuture<E> {
+    type Output = Result<Response<Body>, E>;
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        self.inner.as_mut().poll(cx)
+    }
+}
+
+impl<S, Inner, ReqBody, ResBody> Service<Request<ReqBody>> for IdempotencyService<S, Inner>
+where
+    S: Store,
+    Inner: Service<Request<Body>, Response = Response<ResBody>> + Clone + Send + 'static,
+    Inner::Future: Send + 'static,
+    Inner::Error: Send + 'static,
+    ReqBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ReqBody::Error: Into<BoxError>,
+    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    type Response = Response<Body>;
+    type Error = Inner::Error;
+    type Future = ResponseFuture<Inner::Error>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
+        // The ready service goes into the future; a clone takes its place.
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        let settings = self.settings.clone();
+        ResponseFuture {
+            inner: Box::pin(route(settings, inner, request)),
+        }
+    }
+}
+
+/// Decides whether the request is protected, then runs it.
+async fn route<S, Inner, ReqBody, ResBody>(
+    settings: Arc<Settings<S>>,
+    inner: Inner,
+    request: Request<ReqBody>,
+) -> Result<Response<Body>, Inner::Error>
+where
+    S: Store,
+    Inner: Service<Request<Body>, Response = Response<ResBody>>,
+    ReqBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ReqBody::Error: Into<BoxError>,
+    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    let (parts, body) = request.into_parts();
+    if !settings.methods.contains(&parts.method) {
+        return run_unprotected(&settings, inner, parts, Body::new(body)).await;
+    }
+    let client_key = match key_from_headers(&parts.headers) {
+        Ok(Some(key)) => key,
+        Ok(None) => match settings.key_requirement {
+            KeyRequirement::Required => return Ok(refuse(IdempotencyRejection::KeyMissing)),
+            KeyRequirement::Optional => {
+                count(metrics::UNPROTECTED);
+                return run_unprotected(&settings, inner, parts, Body::new(body)).await;
+            }
+        },
+        Err(invalid) => return Ok(refuse(invalid.into())),
+    };
+    let scope = match ((settings.scope)(&parts), &settings.missing_scope) {
+        (Some(scope), _) => scope,
+        (None, MissingScope::Fixed(scope)) => scope.clone(),
+        (None, MissingScope::Reject) => return Ok(refuse(IdempotencyRejection::ScopeMissing)),
+    };
+    let operation = operation_name(&settings.operation, &parts);
+    let span = tracing::info_span!("idempotency", %scope, %operation, method = %parts.method);
+    protect(settings, inner, parts, body, client_key, scope, operation)
+        .instrument(span)
+        .await
+}
+
+/// Reserve → run → complete | release, for one protected request.
+async fn protect<S, Inner, ReqBody, ResBody>(
+    settings: Arc<Settings<S>>,
+    mut inner: Inner,
+    mut parts: Parts,
+    body: ReqBody,
+    client_key: String,
+    scope: String,
+    operation: String,
+) -> Result<Response<Body>, Inner::Error>
+where
+    S: Store,
+    Inner: Service<Request<Body>, Response = Response<ResBody>>,
+    ReqBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ReqBody::Error: Into<BoxError>,
+    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    // The client key was validated with the header; only a bad scope or operation fails here.
+    let key = match IdempotencyKey::new(scope, operation, client_key) {
+        Ok(key) => key,
+        Err(invalid) => return Ok(refuse(IdempotencyRejection::Internal(invalid.to_string()))),
+    };
+
+    // The body, within the limit, then what the request asks for. Nothing is reserved yet.
+    let body = match read_body(body, &parts.headers, settings.body_limit).await {
+        Ok(body) => body,
+        Err(rejection) => return Ok(refuse(rejection)),
+    };
+    let fingerprint = match fingerprint(&parts, &settings.fingerprint_headers, &body) {
+        Ok(fingerprint) => fingerprint,
+        Err(rejection) => return Ok(refuse(rejection)),
+    };
+    let attempt = Attempt::new(key, fingerprint).effects(settings.effects);
+
+    // 1. Reserve the key, committed on its own.
+    let lease = match settings.idempotency.reserve(&attempt).await {
+        Ok(Reservation::Acquired(lease)) => lease,
+        Ok(Reservation::Completed(bytes)) => {
+            return Ok(match StoredResponse::from_bytes(&bytes) {
+                Ok(stored) => {
+                    count(metrics::REPLAYED);
+                    tracing::info!(status = stored.status, "replayed stored response");
+                    with_retention(&settings, stored.into_replay())
+                }
+                Err(e) => refuse(IdempotencyRejection::Internal(format!(
+                    "stored response unreadable: {e}"
+                ))),
+            });
+        }
+        Err(error) => return Ok(refuse(IdempotencyRejection::from_engine(error))),
+    };
+    let mut lease = HeldLease(Some(lease));
+
+    // 2. Run the handler, with the (lazily begun) business transaction in the extensions.
+    let slot = TxSlot::new(settings.idempotency.store().clone());
+    parts.extensions.insert(slot.clone());
+    let request = Request::from_parts(parts, Body::from(body));
+    let ran = AssertUnwindSafe(inner.call(request)).catch_unwind().await;
+    let response = match ran {
+        Ok(Ok(response)) => response,
+        Ok(Err(error)) => {
+            drop(slot.take_back());
+            lease.release("the inner service failed").await;
+            return Err(error);
+        }
+        Err(panic) => {
+            drop(slot.take_back());
+            lease.release("the handler panicked").await;
+            std::panic::resume_unwind(panic);
+        }
+    };
+    let tx = match slot.take_back() {
+        Returned::Open(tx) => Some(tx),
+        Returned::NotBegun => None,
+        Returned::StillLent => {
+            lease.release("the handler kept its transaction").await;
+            return Ok(refuse(IdempotencyRejection::Internal(
+                "the handler kept IdempotentTx past its response".into(),
+            )));
+        }
+    };
+    let (response_parts, response_body) = response.into_parts();
+    if !(settings.store_response_if)(response_parts.status) {
+        if let Some(tx) = tx {
+            let _ = tx.rollback().await;
+        }
+        lease.release("the response is not stored").await;
+        return Ok(Response::from_parts(
+            response_parts,
+            Body::new(response_body),
+        ));
+    }
+    let collected: Result<Bytes, BoxError> = response_body
+        .collect()
+        .await
+        .map(|collected| collected.to_bytes())
+        .map_err(Into::into);
+    let response_body = match collected {
+        Ok(bytes) => bytes,
+        Err(error) => {
+            lease.release("the response body failed").await;
+            return Ok(refuse(IdempotencyRejection::Internal(format!(
+                "response body: {error}"
+            ))));
+        }
+    };
+    let stored = StoredResponse::capture(
+        response_parts.status,
+        &response_parts.headers,
+        &settings.stored_headers,
+        response_body.to_vec(),
+    );
+
+    // 3. Complete the key with the stored response in the handler's transaction, and commit both.
+    let tx = match tx {
+        Some(tx) => tx,
+        None => match settings.idempotency.store().begin().await {
+            Ok(tx) => tx,
+            Err(error) => {
+                lease.release("could not begin a transaction").await;
+                return Ok(refuse(IdempotencyRejection::from_engine(error.into())));
+            }
+        },
+    };
+    match lease.take().finish(tx, &stored.to_bytes()).await {
+        Ok(()) => {
+            count(metrics::EXECUTED);
+            tracing::info!(status = stored.status, "executed and stored response");
+            let response = Response::from_parts(response_parts, Body::from(response_body));
+            Ok(with_retention(&settings, response))
+        }
+        Err(error) => {
+            tracing::warn!(%error, "could not complete the idempotency key");
+            Ok(refuse(IdempotencyRejection::from_engine(error)))
+        }
+    }
+}
+
+/// A request that is not protected: the handler may still use the transaction, committed after a
+/// response the layer would store and rolled back otherwise.
+async fn run_unprotected<S, Inner, ResBody>(
+    settings: &Settings<S>,
+    mut inner: Inner,
+    mut parts: Parts,
+    body: Body,
+) -> Result<Response<Body>, Inner::Error>
+where
+    S: Store,
+    Inner: Service<Request<Body>, Response = Response<ResBody>>,
+    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    let slot = TxSlot::new(settings.idempotency.store().clone());
+    parts.extensions.insert(slot.clone());
+    let response = inner
+        .call(Request::from_parts(parts, body))
+        .await?
+        .map(Body::new);
+    match slot.take_back() {
+        Returned::NotBegun => Ok(response),
+        Returned::StillLent => Ok(refuse(IdempotencyRejection::Internal(
+            "the handler kept IdempotentTx past its response".into(),
+        ))),
+        Returned::Open(tx) if (settings.store_response_if)(response.status()) => {
+            match tx.commit().await {
+                Ok(()) => Ok(response),
+                Err(error) => Ok(refuse(IdempotencyRejection::from_engine(
+                    idempotency::StoreError::from(error).into(),
+                ))),
+            }
+        }
+        Returned::Open(tx) => {
+            let _ = tx.rollback().await;
+            Ok(response)
+        }
+    }
+}
+
+/// The lease while the handler runs. Dropped while still held (the client went away and the
+/// server cancelled the request), the key is released by [`Lease`]'s own drop; this counts it.
+struct HeldLease<S: Store>(Option<Lease<S>>);
+
+impl<S: Store> HeldLease<S> {
+    fn take(&mut self) -> Lease<S> {
+        self.0.take().expect("the lease is taken once")
+    }
+
+    async fn release(&mut self, why: &'static str) {
+        count(metrics::RELEASED);
+        tracing::info!(reason = why, "releasing idempotency key");
+        if let Err(error) = self.take().release().await {
+            tracing::warn!(%error, "could not release idempotency key; it stays pending until its lease ends");
+        }
+    }
+}
+
+impl<S: Store> Drop for HeldLease<S> {
+    fn drop(&mut self) {
+        if self.0.is_some() {
+            count(metrics::RELEASED);
+            tracing::info!("request cancelled; releasing idempotency key");
+        }
+    }
+}
+
+fn operation_name(source: &OperationSource, parts: &Parts) -> String {
+    match source {
+        OperationSource::Fixed(name) => name.clone(),
+        OperationSource::Custom(name) => name(parts),
+        OperationSource::MethodAndRoute => {
+            let path = parts
+                .extensions
+                .get::<MatchedPath>()
+                .map(MatchedPath::as_str)
+                .unwrap_or_else(|| parts.uri.path());
+            format!("{} {}", parts.method, path)
+        }
+    }
+}
+
+async fn read_body<B>(
+    body: B,
+    headers: &HeaderMap,
+    limit: usize,
+) -> Result<Bytes, IdempotencyRejection>
+where
+    B: http_body::Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|value| value.to_str().ok()?.parse::<u64>().ok());
+    if declared.is_some_and(|length| length > limit as u64) {
+        return Err(IdempotencyRejection::BodyTooLarge { limit });
+    }
+    match Limited::new(body, limit).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(error) if error.is::<LengthLimitError>() => {
+            Err(IdempotencyRejection::BodyTooLarge { limit })
+        }
+        Err(error) => Err(IdempotencyRejection::BodyUnreadable(error.to_string())),
+    }
+}
+
+/// Whether a `Content-Type` is JSON: `application/json` or any `+json` suffix.
+fn is_json(headers: &HeaderMap) -> bool {
+    let Some(value) = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+    else {
+        return false;
+    };
+    let essence = value.split(';').next().unwrap_or("").trim();
+    let Some((kind, subtype)) = essence.split_once('/') else {
+        return false;
+    };
+    kind.eq_ignore_ascii_case("application")
+        && (subtype.eq_ignore_ascii_case("json") || subtype.to_ascii_lowercase().ends_with("+json"))
+}
+
+/// Method, path and query, the configured headers, and the body (canonical JSON or raw bytes).
+fn fingerprint(
+    parts: &Parts,
+    fingerprint_headers: &[http::HeaderName],
+    body: &[u8],
+) -> Result<Fingerprint, IdempotencyRejection> {
+    let target = parts
+        .uri
+        .path_and_query()
+        .map_or(parts.uri.path(), |pq| pq.as_str());
+    let mut builder = Fingerprint::builder()
+        .part("method", parts.method.as_str().as_bytes())
+        .part("target", target.as_bytes());
+    for name in fingerprint_headers {
+        for value in parts.headers.get_all(name) {
+            builder = builder.part(&format!("header {name}"), value.as_bytes());
+        }
+    }
+    let builder = if is_json(&parts.headers) {
+        builder
+            .json_part("json body", body)
+            .map_err(IdempotencyRejection::BodyNotJson)?
+    } else {
+        builder.part("body", body)
+    };
+    Ok(builder.finish())
+}
+
+fn with_retention<S: Store>(
+    settings: &Settings<S>,
+    mut response: Response<Body>,
+) -> Response<Body> {
+    if settings.expiry_header {
+        let seconds = settings.idempotency.retention().as_secs();
+        response
+            .headers_mut()
+            .insert(IDEMPOTENCY_KEY_RETENTION, HeaderValue::from(seconds));
+    }
+    response
+}
+
+fn refuse(rejection: IdempotencyRejection) -> Response<Body> {
+    count(rejection.outcome());
+    tracing::info!(%rejection, "idempotency layer refused the request");
+    rejection.to_problem().into_http_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn recognises_json_content_types() {
+        let mut headers = HeaderMap::new();
+        assert!(!is_json(&headers));
+        for (value, json) in [
+            ("application/json", true),
+            ("application/json; charset=utf-8", true),
+            ("Application/JSON", true),
+            ("application/merge-patch+json", true),
+            ("text/plain", false),
+            ("application/x-www-form-urlencoded", false),
+            ("json", false),
+        ] {
+            headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(value));
+            assert_eq!(is_json(&headers), json, "{value}");
+        }
+    }
+
+    #[test]
+    fn fingerprint_separates_method_path_headers_and_body() {
+        let request = |method: &str, uri: &str, currency: &str| {
+            let (parts, ()) = Request::builder()
+                .method(method)
+                .uri(uri)
+                .header("content-type", "application/json")
+                .header("x-currency", currency)
+                .body(())
+                .unwrap()
+                .into_parts();
+            parts
+        };
+        let headers = [http::HeaderName::from_static("x-currency")];
+        let fp = |parts: &Parts, body: &[u8]| fingerprint(parts, &headers, body).unwrap();
+        let base = fp(&request("POST", "/orders", "EUR"), br#"{"a":1,"b":2}"#);
+        assert_eq!(
+            base,
+            fp(
+                &request("POST", "/orders", "EUR"),
+                b"{ \"b\": 2, \"a\": 1 }"
+            )
+        );
+        assert_ne!(
+            base,
+            fp(&request("PATCH", "/orders", "EUR"), br#"{"a":1,"b":2}"#)
+        );
+        assert_ne!(
+            base,
+            fp(&request("POST", "/orders?x=1", "EUR"), br#"{"a":1,"b":2}"#)
+        );
+        assert_ne!(
+            base,
+            fp(&request("POST", "/orders", "USD"), br#"{"a":1,"b":2}"#)
+        );
+        assert_ne!(
+            base,
+            fp(&request("POST", "/orders", "EUR"), br#"{"a":1,"b":3}"#)
+        );
+        assert!(matches!(
+            fingerprint(&request("POST", "/orders", "EUR"), &headers, b"not json"),
+            Err(IdempotencyRejection::BodyNotJson(_))
+        ));
+    }
+}
