@@ -1,1 +1,123 @@
-fn main() {}
+//! `shop`: the demo service (default), its retry storm (`shop storm`) and its benchmark
+//! (`shop bench`).
+
+use clap::{Parser, Subcommand};
+use shop::{
+    app::{self, Config},
+    bench::{self, BenchArgs},
+    providers::Faults,
+    storm::{self, StormArgs},
+};
+use std::{io::Write, time::Duration};
+
+/// The demo shop: purchases, orders, points and e-mails, protected against duplicate requests.
+#[derive(Debug, Parser)]
+#[command(version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    #[command(flatten)]
+    serve: ServeArgs,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Hammer the shop with duplicated requests and check every ledger.
+    Storm(StormArgs),
+    /// Measure the guard's cost against the same handler without it.
+    Bench(BenchArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct ServeArgs {
+    /// Address to listen on (port 0 picks a free port; the address is printed).
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    listen: String,
+    /// `sqlite://FILE` (created if missing) or `postgres://USER:PASS@HOST/DB`.
+    #[arg(long, env = "SHOP_DATABASE_URL", default_value = "sqlite://shop.db")]
+    database_url: String,
+    /// Probability that a payment provider call fails (half of the failures after charging).
+    #[arg(long, default_value_t = 0.0, value_parser = rate)]
+    payment_fail_rate: f64,
+    /// Latency of each payment provider call, in milliseconds.
+    #[arg(long, default_value_t = 0)]
+    payment_latency_ms: u64,
+    /// Probability that a mail provider call fails (half of the failures after sending).
+    #[arg(long, default_value_t = 0.0, value_parser = rate)]
+    mail_fail_rate: f64,
+    /// Also mount `POST /unprotected/purchases` (the purchase handler without the guard).
+    #[arg(long, hide = true)]
+    bench_routes: bool,
+}
+
+fn rate(s: &str) -> Result<f64, String> {
+    let v: f64 = s.parse().map_err(|e| format!("{e}"))?;
+    if (0.0..=1.0).contains(&v) {
+        Ok(v)
+    } else {
+        Err(format!("{v} is not a probability between 0 and 1"))
+    }
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "warn,shop=info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    match cli.command {
+        Some(Command::Storm(args)) => storm::run(args).await,
+        Some(Command::Bench(args)) => bench::run(args).await,
+        None => serve(cli.serve).await,
+    }
+}
+
+async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let mut config = Config::new(&args.database_url);
+    config.payment = Faults {
+        fail_rate: args.payment_fail_rate,
+        latency: Duration::from_millis(args.payment_latency_ms),
+    };
+    config.mail = Faults {
+        fail_rate: args.mail_fail_rate,
+        latency: Duration::ZERO,
+    };
+    config.bench_routes = args.bench_routes;
+    let running = app::start(&config, &args.listen).await?;
+    let url = running.url();
+    let database = args
+        .database_url
+        .rsplit('@')
+        .next()
+        .unwrap_or(&args.database_url);
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "shop listening on {url} (database {database})")?;
+    writeln!(
+        out,
+        "try: curl -i -X POST {url}/purchases -H 'X-User-Id: alice' -H \"Idempotency-Key: $(uuidgen)\" -H 'Content-Type: application/json' -d '{{\"sku\": \"tea\", \"quantity\": 2}}'"
+    )?;
+    out.flush()?;
+    drop(out);
+    shutdown_signal().await;
+    drop(running);
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("SIGTERM handler");
+        tokio::select! {
+            _ = ctrl_c => {},
+            _ = term.recv() => {},
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+}

@@ -1,0 +1,46 @@
+-- The shop's own tables (PostgreSQL). Applied under an advisory lock, so several `shop`
+-- processes may start at once against one database.
+CREATE TABLE IF NOT EXISTS shop_users (
+    id            TEXT        PRIMARY KEY,
+    balance_cents BIGINT      NOT NULL CHECK (balance_cents >= 0),
+    created_at    TIMESTAMPTZ NOT NULL DEFAULT now()
+);
+
+-- State transition defence: status only ever moves unpaid -> paid, by a conditional UPDATE.
+CREATE TABLE IF NOT EXISTS shop_orders (
+    id           BIGSERIAL   PRIMARY KEY,
+    user_id      TEXT        NOT NULL REFERENCES shop_users (id),
+    sku          TEXT        NOT NULL,
+    quantity     BIGINT      NOT NULL CHECK (quantity > 0),
+    amount_cents BIGINT      NOT NULL CHECK (amount_cents > 0),
+    status       TEXT        NOT NULL CHECK (status IN ('unpaid', 'paid')),
+    charge_id    TEXT        UNIQUE,
+    created_at   TIMESTAMPTZ NOT NULL DEFAULT now()
+);
+CREATE INDEX IF NOT EXISTS shop_orders_user ON shop_orders (user_id);
+
+CREATE TABLE IF NOT EXISTS shop_purchases (
+    id         BIGSERIAL   PRIMARY KEY,
+    user_id    TEXT        NOT NULL REFERENCES shop_users (id),
+    order_id   BIGINT      NOT NULL UNIQUE REFERENCES shop_orders (id),
+    created_at TIMESTAMPTZ NOT NULL DEFAULT now()
+);
+
+-- Business unique constraint defence: one grant per order, whatever the application checked.
+CREATE TABLE IF NOT EXISTS shop_point_grants (
+    id         BIGSERIAL   PRIMARY KEY,
+    order_id   BIGINT      NOT NULL UNIQUE REFERENCES shop_orders (id),
+    user_id    TEXT        NOT NULL REFERENCES shop_users (id),
+    points     BIGINT      NOT NULL CHECK (points > 0),
+    created_at TIMESTAMPTZ NOT NULL DEFAULT now()
+);
+CREATE INDEX IF NOT EXISTS shop_point_grants_user ON shop_point_grants (user_id);
+
+CREATE TABLE IF NOT EXISTS shop_emails (
+    id         BIGSERIAL   PRIMARY KEY,
+    user_id    TEXT        NOT NULL,
+    recipient  TEXT        NOT NULL,
+    subject    TEXT        NOT NULL,
+    message_id TEXT        NOT NULL,
+    created_at TIMESTAMPTZ NOT NULL DEFAULT now()
+);

@@ -1,0 +1,23 @@
+-- The simulated providers (PostgreSQL). They stand for outside services: they are written
+-- through their own connection pool, never inside the shop's transaction.
+
+-- A payment provider that honours idempotency keys: one charge per provider_key.
+CREATE TABLE IF NOT EXISTS payment_provider_charges (
+    provider_key TEXT        PRIMARY KEY,
+    charge_id    TEXT        NOT NULL UNIQUE,
+    account      TEXT        NOT NULL,
+    amount_cents BIGINT      NOT NULL,
+    created_at   TIMESTAMPTZ NOT NULL DEFAULT now()
+);
+CREATE INDEX IF NOT EXISTS payment_provider_charges_account ON payment_provider_charges (account);
+
+-- A mail provider without idempotency support: every call is a new message.
+CREATE TABLE IF NOT EXISTS mail_provider_messages (
+    message_id TEXT        PRIMARY KEY,
+    account    TEXT        NOT NULL,
+    recipient  TEXT        NOT NULL,
+    subject    TEXT        NOT NULL,
+    client_ref TEXT        NOT NULL,
+    created_at TIMESTAMPTZ NOT NULL DEFAULT now()
+);
+CREATE INDEX IF NOT EXISTS mail_provider_messages_account ON mail_provider_messages (account);

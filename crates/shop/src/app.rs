@@ -1,0 +1,311 @@
+//! The service: state, router, demo authentication, and serving.
+
+use crate::{
+    db::{self, Kind, ProviderDb, ShopDb},
+    guard::{plain_tx, protect, KeyedRoute},
+    metrics,
+    problem::{Problem, BODY_LIMIT},
+    providers::{Faults, MailProvider, PaymentProvider},
+    routes,
+};
+use axum::{
+    extract::{DefaultBodyLimit, Request, State},
+    http::StatusCode,
+    middleware::{from_fn, from_fn_with_state, Next},
+    response::{IntoResponse, Response},
+    routing::{get, post},
+    Router,
+};
+use idempotency::{
+    store::{postgres::PgStore, sqlite::SqliteStore},
+    Effects, Idempotency,
+};
+use std::{net::SocketAddr, sync::Arc, time::Duration};
+
+/// Every user's balance before their first purchase.
+pub const START_BALANCE_CENTS: i64 = 100_000;
+
+/// The demo authentication header.
+pub const USER_HEADER: &str = "x-user-id";
+
+/// How the service is configured.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// `sqlite://FILE` or `postgres://…`.
+    pub database_url: String,
+    /// Payment provider faults.
+    pub payment: Faults,
+    /// Mail provider faults.
+    pub mail: Faults,
+    /// Also mount `POST /unprotected/purchases` (the purchase handler without the guard), for
+    /// the benchmark.
+    pub bench_routes: bool,
+    /// Size of the shop's connection pool (PostgreSQL).
+    pub max_connections: u32,
+}
+
+impl Config {
+    /// Defaults for a database URL: no faults, no bench routes.
+    pub fn new(database_url: impl Into<String>) -> Self {
+        Self {
+            database_url: database_url.into(),
+            payment: Faults::default(),
+            mail: Faults::default(),
+            bench_routes: false,
+            max_connections: 16,
+        }
+    }
+}
+
+/// The idempotency engine on the shop's backend.
+#[derive(Debug, Clone)]
+pub enum Engine {
+    /// On PostgreSQL.
+    Pg(Idempotency<PgStore>),
+    /// On SQLite.
+    Sqlite(Idempotency<SqliteStore>),
+}
+
+/// The authenticated user (demo: taken from `X-User-Id`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UserId(pub String);
+
+struct Inner {
+    db: ShopDb,
+    engine: Engine,
+    providers: ProviderDb,
+    payment: PaymentProvider,
+    mail: MailProvider,
+}
+
+/// Shared state of the service.
+#[derive(Clone)]
+pub struct App(Arc<Inner>);
+
+impl std::fmt::Debug for App {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("App")
+            .field("db", &self.0.db.kind())
+            .finish()
+    }
+}
+
+impl App {
+    /// Connects, migrates (the idempotency key table, the shop's and the providers' tables) and
+    /// builds the state.
+    pub async fn connect(config: &Config) -> anyhow::Result<Self> {
+        let (db, providers) = db::connect(&config.database_url, config.max_connections).await?;
+        db.migrate().await?;
+        providers.migrate().await?;
+        let lease = Duration::from_secs(30);
+        let engine = match &db {
+            ShopDb::Pg(store) => Engine::Pg(Idempotency::new(store.clone()).with_lease(lease)),
+            ShopDb::Sqlite(store) => {
+                Engine::Sqlite(Idempotency::new(store.clone()).with_lease(lease))
+            }
+        };
+        Ok(Self(Arc::new(Inner {
+            payment: PaymentProvider::new(providers.clone(), config.payment),
+            mail: MailProvider::new(providers.clone(), config.mail),
+            db,
+            engine,
+            providers,
+        })))
+    }
+
+    /// The shop's database.
+    pub fn db(&self) -> &ShopDb {
+        &self.0.db
+    }
+
+    /// The idempotency engine.
+    pub fn engine(&self) -> &Engine {
+        &self.0.engine
+    }
+
+    /// The providers' database.
+    pub fn providers(&self) -> &ProviderDb {
+        &self.0.providers
+    }
+
+    /// The payment provider.
+    pub fn payment(&self) -> &PaymentProvider {
+        &self.0.payment
+    }
+
+    /// The mail provider.
+    pub fn mail(&self) -> &MailProvider {
+        &self.0.mail
+    }
+
+    /// Which backend.
+    pub fn kind(&self) -> Kind {
+        self.0.db.kind()
+    }
+}
+
+/// Keyed routes and their key policies.
+pub const PURCHASE: KeyedRoute = KeyedRoute {
+    operation: "purchase",
+    // The payment provider is outside our database: an abandoned key is never taken over
+    // blindly; the provider honours our key, so an error may release it safely.
+    effects: Effects::External,
+};
+/// `POST /orders`.
+pub const CREATE_ORDER: KeyedRoute = KeyedRoute {
+    operation: "create-order",
+    effects: Effects::Local,
+};
+/// `POST /emails`.
+pub const SEND_EMAIL: KeyedRoute = KeyedRoute {
+    operation: "send-email",
+    effects: Effects::External,
+};
+
+/// The router of the service.
+pub fn router(app: App, bench_routes: bool) -> Router {
+    let keyed = |route: KeyedRoute| from_fn_with_state((app.clone(), route), protect);
+    let plain = from_fn_with_state(app.clone(), plain_tx);
+    let mut user_routes = Router::new()
+        .route("/purchases", post(routes::purchase).layer(keyed(PURCHASE)))
+        .route(
+            "/orders",
+            post(routes::create_order).layer(keyed(CREATE_ORDER)),
+        )
+        .route("/orders/{id}", get(routes::get_order))
+        .route(
+            "/orders/{id}/pay",
+            post(routes::pay_order).layer(plain.clone()),
+        )
+        .route(
+            "/points/grants",
+            post(routes::grant_points).layer(plain.clone()),
+        )
+        .route("/emails", post(routes::send_email).layer(keyed(SEND_EMAIL)))
+        .route("/users/{id}/ledger", get(routes::ledger));
+    if bench_routes {
+        user_routes = user_routes.route(
+            "/unprotected/purchases",
+            post(routes::purchase).layer(plain),
+        );
+    }
+    Router::new()
+        .merge(user_routes.layer(from_fn(authenticate)))
+        .route("/healthz", get(healthz))
+        .route("/metrics", get(render_metrics))
+        .fallback(|| async { Problem::not_found("no such route") })
+        .method_not_allowed_fallback(|| async {
+            Problem::new(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "method-not-allowed",
+                "Method not allowed",
+                "this route does not accept that method",
+            )
+        })
+        .layer(DefaultBodyLimit::max(BODY_LIMIT))
+        .with_state(app)
+}
+
+/// 401 for a request without a valid `X-User-Id`.
+pub fn unauthenticated() -> Problem {
+    Problem::new(
+        StatusCode::UNAUTHORIZED,
+        "unauthenticated",
+        "Authentication required",
+        "send X-User-Id: <id> (1 to 64 characters of A-Z a-z 0-9 _ -)",
+    )
+}
+
+/// Demo authentication: `X-User-Id` names the user.
+async fn authenticate(mut request: Request, next: Next) -> Response {
+    let user = request
+        .headers()
+        .get(USER_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .filter(|id| {
+            !id.is_empty()
+                && id.len() <= 64
+                && id
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+        })
+        .map(|id| UserId(id.to_owned()));
+    match user {
+        Some(user) => {
+            request.extensions_mut().insert(user);
+            next.run(request).await
+        }
+        None => unauthenticated().into_response(),
+    }
+}
+
+async fn healthz(State(app): State<App>) -> Response {
+    let ok = match app.db().read().await {
+        Ok(mut conn) => crate::on_conn!(conn.conn(), |c| sqlx::query("SELECT 1")
+            .execute(&mut *c)
+            .await
+            .is_ok()),
+        Err(_) => false,
+    };
+    if ok {
+        axum::Json(serde_json::json!({"status": "ok", "database": app.kind().name()}))
+            .into_response()
+    } else {
+        Problem::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "unhealthy",
+            "Database unreachable",
+            "the database does not answer",
+        )
+        .into_response()
+    }
+}
+
+async fn render_metrics() -> Response {
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        metrics::handle().render(),
+    )
+        .into_response()
+}
+
+/// A running service (in this process).
+#[derive(Debug)]
+pub struct Running {
+    /// Where it listens.
+    pub addr: SocketAddr,
+    /// The state (for direct database checks).
+    pub app: App,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Running {
+    /// The base URL, `http://ADDR`.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Connects, migrates, binds `listen` (port 0 picks a free port) and serves in a background task.
+pub async fn start(config: &Config, listen: &str) -> anyhow::Result<Running> {
+    metrics::handle();
+    let app = App::connect(config).await?;
+    let listener = tokio::net::TcpListener::bind(listen).await?;
+    let addr = listener.local_addr()?;
+    let router = router(app.clone(), config.bench_routes);
+    let task = tokio::spawn(async move {
+        if let Err(error) = axum::serve(listener, router).await {
+            tracing::error!(%error, "server stopped");
+        }
+    });
+    Ok(Running { addr, app, task })
+}

@@ -1,0 +1,262 @@
+//! The benchmark: in one run and on one database, the guarded `POST /purchases` against the
+//! same handler without the guard (`POST /unprotected/purchases`), and a replay against a plain
+//! indexed read (`GET /orders/{id}`), at each concurrency, on SQLite and PostgreSQL. The four
+//! scenarios are interleaved in rounds so drifts (cache warm-up, autovacuum, the other tenants
+//! of the machine) hit them alike; the ratios are printed, never asserted.
+
+use crate::{
+    app::{self, Config},
+    client::{Call, Client},
+};
+use anyhow::{bail, Context};
+use futures_util::future::join_all;
+use reqwest::StatusCode;
+use serde_json::{json, Value};
+use std::{
+    sync::{
+        atomic::{AtomicBool, AtomicU64, Ordering},
+        Arc,
+    },
+    time::{Duration, Instant},
+};
+
+/// Options of the benchmark.
+#[derive(Debug, Clone, clap::Args)]
+pub struct BenchArgs {
+    /// PostgreSQL database to measure on (default: `$TEST_POSTGRES_URL`; skipped when neither).
+    #[arg(long)]
+    pub postgres_url: Option<String>,
+    /// Skip SQLite.
+    #[arg(long)]
+    pub no_sqlite: bool,
+    /// Measured seconds per scenario and concurrency (split over the rounds).
+    #[arg(long, default_value_t = 4.0)]
+    pub seconds: f64,
+    /// Rounds the scenarios are interleaved in.
+    #[arg(long, default_value_t = 4)]
+    pub rounds: u32,
+    /// Concurrent clients (repeatable).
+    #[arg(long = "concurrency", default_values_t = vec![1, 32])]
+    pub concurrency: Vec<usize>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Scenario {
+    Protected,
+    Unprotected,
+    Replay,
+    Read,
+}
+
+impl Scenario {
+    const ALL: [Scenario; 4] = [
+        Scenario::Protected,
+        Scenario::Unprotected,
+        Scenario::Replay,
+        Scenario::Read,
+    ];
+
+    fn name(self) -> &'static str {
+        match self {
+            Scenario::Protected => "POST /purchases (guarded, first request)",
+            Scenario::Unprotected => "POST /unprotected/purchases (no guard)",
+            Scenario::Replay => "POST /purchases (guarded, replay)",
+            Scenario::Read => "GET /orders/{id} (plain indexed read)",
+        }
+    }
+}
+
+/// Per-worker fixtures: its own user, and keys/orders to replay and read.
+struct Worker {
+    user: String,
+    replay_keys: Vec<String>,
+    order_ids: Vec<i64>,
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+struct Tally {
+    requests: u64,
+    seconds: f64,
+}
+
+async fn prepare(client: &Client, run: &str, workers: usize) -> anyhow::Result<Vec<Worker>> {
+    let body = json!({"sku": "pencil", "quantity": 1});
+    let mut out = Vec::new();
+    for w in 0..workers {
+        let user = format!("bench-{run}-{w}");
+        let mut worker = Worker {
+            user,
+            replay_keys: Vec::new(),
+            order_ids: Vec::new(),
+        };
+        for _ in 0..8 {
+            let key = uuid::Uuid::new_v4().to_string();
+            let a = client
+                .send(0, &Call::post("/purchases", &worker.user, &body).key(&key))
+                .await?;
+            if a.status != StatusCode::CREATED {
+                bail!("bench fixture purchase failed: {} {}", a.status, a.body);
+            }
+            worker
+                .order_ids
+                .push(a.body["order_id"].as_i64().unwrap_or_default());
+            worker.replay_keys.push(key);
+        }
+        out.push(worker);
+    }
+    Ok(out)
+}
+
+/// Runs one scenario for `duration` with one task per worker; returns completed requests.
+async fn measure(
+    client: &Client,
+    workers: &[Worker],
+    scenario: Scenario,
+    duration: Duration,
+) -> anyhow::Result<Tally> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let failures = Arc::new(AtomicU64::new(0));
+    let body: Value = json!({"sku": "pencil", "quantity": 1});
+    let started = Instant::now();
+    let timer = {
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(duration).await;
+            stop.store(true, Ordering::Relaxed);
+        })
+    };
+    let counts = join_all(workers.iter().enumerate().map(|(w, worker)| {
+        let stop = stop.clone();
+        let failures = failures.clone();
+        let body = &body;
+        async move {
+            let mut n = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                let i = n as usize;
+                let (answer, want) = match scenario {
+                    Scenario::Protected => {
+                        let key = uuid::Uuid::new_v4().to_string();
+                        let call = Call::post("/purchases", &worker.user, body).key(&key);
+                        (client.send(w, &call).await, StatusCode::CREATED)
+                    }
+                    Scenario::Unprotected => {
+                        let call = Call::post("/unprotected/purchases", &worker.user, body);
+                        (client.send(w, &call).await, StatusCode::CREATED)
+                    }
+                    Scenario::Replay => {
+                        let key = &worker.replay_keys[i % worker.replay_keys.len()];
+                        let call = Call::post("/purchases", &worker.user, body).key(key);
+                        (client.send(w, &call).await, StatusCode::CREATED)
+                    }
+                    Scenario::Read => {
+                        let id = worker.order_ids[i % worker.order_ids.len()];
+                        let call = Call::get(format!("/orders/{id}"), &worker.user);
+                        (client.send(w, &call).await, StatusCode::OK)
+                    }
+                };
+                match answer {
+                    Ok(a) if a.status == want => {}
+                    Ok(a) => {
+                        tracing::warn!(status = %a.status, body = %a.body, "bench request failed");
+                        failures.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "bench request failed");
+                        failures.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+                n += 1;
+            }
+            n
+        }
+    }))
+    .await;
+    let seconds = started.elapsed().as_secs_f64();
+    timer.abort();
+    let failed = failures.load(Ordering::Relaxed);
+    if failed > 0 {
+        bail!("{failed} requests of {} failed", scenario.name());
+    }
+    Ok(Tally {
+        requests: counts.iter().sum(),
+        seconds,
+    })
+}
+
+async fn bench_backend(label: &str, url: &str, args: &BenchArgs) -> anyhow::Result<()> {
+    let mut config = Config::new(url);
+    config.bench_routes = true;
+    config.max_connections = 40;
+    let running = app::start(&config, "127.0.0.1:0").await?;
+    let client = Client::new(vec![running.url()]);
+    let run = uuid::Uuid::new_v4().simple().to_string()[..8].to_owned();
+    println!("\n== {label} ==");
+    println!(
+        "{:<46} {:>5} {:>10} {:>9} {:>9}",
+        "scenario", "conc", "req/s", "p50 ms", "p99 ms"
+    );
+    for &concurrency in &args.concurrency {
+        let workers = prepare(&client, &format!("{run}-c{concurrency}"), concurrency).await?;
+        // Warm-up, not counted.
+        for scenario in Scenario::ALL {
+            measure(&client, &workers, scenario, Duration::from_millis(300)).await?;
+        }
+        client.take_latency();
+        let mut tallies = [Tally::default(); 4];
+        let mut histograms: Vec<Option<hdrhistogram::Histogram<u64>>> = vec![None; 4];
+        let slice = Duration::from_secs_f64(args.seconds / f64::from(args.rounds.max(1)));
+        for _ in 0..args.rounds.max(1) {
+            for (i, scenario) in Scenario::ALL.into_iter().enumerate() {
+                let t = measure(&client, &workers, scenario, slice).await?;
+                tallies[i].requests += t.requests;
+                tallies[i].seconds += t.seconds;
+                let h = client.take_latency();
+                match &mut histograms[i] {
+                    Some(acc) => acc.add(&h).context("merging histograms")?,
+                    slot => *slot = Some(h),
+                }
+            }
+        }
+        let rate = |i: usize| tallies[i].requests as f64 / tallies[i].seconds;
+        for (i, scenario) in Scenario::ALL.into_iter().enumerate() {
+            let h = histograms[i].as_ref().expect("measured");
+            println!(
+                "{:<46} {:>5} {:>10.0} {:>9.2} {:>9.2}",
+                scenario.name(),
+                concurrency,
+                rate(i),
+                h.value_at_quantile(0.5) as f64 / 1000.0,
+                h.value_at_quantile(0.99) as f64 / 1000.0
+            );
+        }
+        println!(
+            "{label} c={concurrency}: first request / unprotected = {:.2}x (target >= 0.6), replay / plain read = {:.2}x (target >= 0.9)",
+            rate(0) / rate(1),
+            rate(2) / rate(3)
+        );
+    }
+    Ok(())
+}
+
+/// Runs the benchmark and prints the tables and ratios.
+pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
+    println!(
+        "bench: {} s per scenario and concurrency, in {} interleaved rounds; concurrency {:?}",
+        args.seconds, args.rounds, args.concurrency
+    );
+    if !args.no_sqlite {
+        let dir = tempfile::tempdir()?;
+        let url = format!("sqlite://{}", dir.path().join("bench.db").display());
+        bench_backend("SQLite (file, WAL)", &url, &args).await?;
+    }
+    let postgres = args.postgres_url.clone().or_else(|| {
+        std::env::var("TEST_POSTGRES_URL")
+            .ok()
+            .filter(|u| !u.is_empty())
+    });
+    match postgres {
+        Some(url) => bench_backend("PostgreSQL", &url, &args).await?,
+        None => println!("\nPostgreSQL skipped: pass --postgres-url or set TEST_POSTGRES_URL"),
+    }
+    Ok(())
+}

@@ -1,0 +1,164 @@
+//! A small HTTP client for the storm and the benchmark, recording every request's latency.
+
+use hdrhistogram::Histogram;
+use reqwest::{Method, StatusCode};
+use serde_json::Value;
+use std::{
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+/// One answer.
+#[derive(Debug, Clone)]
+pub struct Answer {
+    /// HTTP status.
+    pub status: StatusCode,
+    /// The JSON body (`Null` when empty or not JSON).
+    pub body: Value,
+    /// Whether the guard replayed a stored response (`Idempotent-Replayed: true`).
+    pub replayed: bool,
+    /// `Retry-After` in seconds, if given.
+    pub retry_after: Option<u64>,
+}
+
+impl Answer {
+    /// The problem `type`, for problem documents.
+    pub fn problem_type(&self) -> Option<&str> {
+        self.body.get("type").and_then(Value::as_str)
+    }
+}
+
+/// A request to send.
+#[derive(Debug, Clone)]
+pub struct Call<'a> {
+    /// Method.
+    pub method: Method,
+    /// Path, e.g. `/purchases`.
+    pub path: String,
+    /// `X-User-Id`.
+    pub user: &'a str,
+    /// `Idempotency-Key`.
+    pub key: Option<&'a str>,
+    /// JSON body.
+    pub body: Option<&'a Value>,
+    /// Client-side timeout (the storm's "gave up waiting" retries).
+    pub timeout: Option<Duration>,
+}
+
+impl<'a> Call<'a> {
+    /// A POST with a JSON body.
+    pub fn post(path: impl Into<String>, user: &'a str, body: &'a Value) -> Self {
+        Self {
+            method: Method::POST,
+            path: path.into(),
+            user,
+            key: None,
+            body: Some(body),
+            timeout: None,
+        }
+    }
+
+    /// A GET.
+    pub fn get(path: impl Into<String>, user: &'a str) -> Self {
+        Self {
+            method: Method::GET,
+            path: path.into(),
+            user,
+            key: None,
+            body: None,
+            timeout: None,
+        }
+    }
+
+    /// Sets the `Idempotency-Key`.
+    pub fn key(mut self, key: &'a str) -> Self {
+        self.key = Some(key);
+        self
+    }
+
+    /// Sets a client-side timeout.
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = Some(timeout);
+        self
+    }
+}
+
+/// A client over one or more service URLs (requests are spread over them), with a latency
+/// histogram in microseconds.
+#[derive(Debug, Clone)]
+pub struct Client {
+    http: reqwest::Client,
+    bases: Arc<Vec<String>>,
+    latency: Arc<Mutex<Histogram<u64>>>,
+}
+
+impl Client {
+    /// A client for `bases` (`http://HOST:PORT`).
+    pub fn new(bases: Vec<String>) -> Self {
+        assert!(!bases.is_empty(), "at least one URL");
+        Self {
+            http: reqwest::Client::builder()
+                .pool_max_idle_per_host(256)
+                .build()
+                .expect("HTTP client"),
+            bases: Arc::new(bases),
+            latency: Arc::new(Mutex::new(
+                Histogram::new_with_bounds(1, 120_000_000, 3).expect("histogram bounds"),
+            )),
+        }
+    }
+
+    /// The service URLs.
+    pub fn bases(&self) -> &[String] {
+        &self.bases
+    }
+
+    /// Sends `call` to the `target`-th URL (modulo their number).
+    pub async fn send(&self, target: usize, call: &Call<'_>) -> Result<Answer, reqwest::Error> {
+        let base = &self.bases[target % self.bases.len()];
+        let mut request = self
+            .http
+            .request(call.method.clone(), format!("{base}{}", call.path))
+            .header("x-user-id", call.user);
+        if let Some(key) = call.key {
+            request = request.header("idempotency-key", key);
+        }
+        if let Some(body) = call.body {
+            request = request.json(body);
+        }
+        if let Some(timeout) = call.timeout {
+            request = request.timeout(timeout);
+        }
+        let started = Instant::now();
+        let response = request.send().await?;
+        let status = response.status();
+        let replayed = response
+            .headers()
+            .get("idempotent-replayed")
+            .is_some_and(|v| v == "true");
+        let retry_after = response
+            .headers()
+            .get("retry-after")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse().ok());
+        let bytes = response.bytes().await?;
+        let elapsed = started.elapsed().as_micros().max(1) as u64;
+        if let Ok(mut h) = self.latency.lock() {
+            let _ = h.record(elapsed);
+        }
+        Ok(Answer {
+            status,
+            body: serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+            replayed,
+            retry_after,
+        })
+    }
+
+    /// A copy of the latency histogram (µs), and resets it.
+    pub fn take_latency(&self) -> Histogram<u64> {
+        let mut h = self.latency.lock().expect("histogram lock");
+        let copy = h.clone();
+        h.reset();
+        copy
+    }
+}

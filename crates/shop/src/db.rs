@@ -1,0 +1,360 @@
+//! The shop's databases: the idempotency store and the shop's tables on one pool, and the
+//! simulated providers on a pool of their own (they stand for outside services).
+//!
+//! The same SQL text runs on PostgreSQL and SQLite (`$1` placeholders work on both); the
+//! [`on_conn!`](crate::on_conn) macro expands one statement for each backend.
+
+use anyhow::{bail, Context};
+use idempotency::store::{postgres::PgStore, sqlite::SqliteStore, Store};
+use sqlx::{
+    postgres::PgPoolOptions,
+    sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous},
+    PgConnection, PgPool, Postgres, Sqlite, SqliteConnection, SqlitePool, Transaction,
+};
+use std::{str::FromStr, time::Duration};
+
+/// Lock id for `pg_advisory_xact_lock` while the shop migrates ("shop" in ASCII).
+const SHOP_MIGRATION_LOCK: i64 = 0x7368_6f70;
+
+/// Runs one expression against either backend of a [`Conn`]: the body is expanded once per
+/// backend, so `sqlx::query(..).execute(&mut *c)` type-checks against each.
+#[macro_export]
+macro_rules! on_conn {
+    ($conn:expr, |$c:ident| $body:expr) => {
+        match $conn {
+            $crate::db::Conn::Pg($c) => $body,
+            $crate::db::Conn::Sqlite($c) => $body,
+        }
+    };
+}
+
+/// A borrowed connection of either backend (a pool connection or a transaction).
+#[derive(Debug)]
+pub enum Conn<'a> {
+    /// PostgreSQL.
+    Pg(&'a mut PgConnection),
+    /// SQLite.
+    Sqlite(&'a mut SqliteConnection),
+}
+
+/// An open business transaction of either backend.
+#[derive(Debug)]
+pub enum Tx {
+    /// PostgreSQL.
+    Pg(Transaction<'static, Postgres>),
+    /// SQLite.
+    Sqlite(Transaction<'static, Sqlite>),
+}
+
+impl Tx {
+    /// The transaction's connection, for statements.
+    pub fn conn(&mut self) -> Conn<'_> {
+        match self {
+            Tx::Pg(tx) => Conn::Pg(&mut **tx),
+            Tx::Sqlite(tx) => Conn::Sqlite(&mut **tx),
+        }
+    }
+
+    /// Commits.
+    pub async fn commit(self) -> Result<(), sqlx::Error> {
+        match self {
+            Tx::Pg(tx) => tx.commit().await,
+            Tx::Sqlite(tx) => tx.commit().await,
+        }
+    }
+
+    /// Rolls back.
+    pub async fn rollback(self) -> Result<(), sqlx::Error> {
+        match self {
+            Tx::Pg(tx) => tx.rollback().await,
+            Tx::Sqlite(tx) => tx.rollback().await,
+        }
+    }
+}
+
+/// A store whose business transactions can be carried as a [`Tx`].
+pub trait Backend: Store {
+    /// Wraps a transaction of this backend.
+    fn wrap(tx: Transaction<'static, Self::Database>) -> Tx;
+    /// Unwraps a transaction of this backend; `None` for the other backend's.
+    fn unwrap(tx: Tx) -> Option<Transaction<'static, Self::Database>>;
+}
+
+impl Backend for PgStore {
+    fn wrap(tx: Transaction<'static, Postgres>) -> Tx {
+        Tx::Pg(tx)
+    }
+    fn unwrap(tx: Tx) -> Option<Transaction<'static, Postgres>> {
+        match tx {
+            Tx::Pg(tx) => Some(tx),
+            Tx::Sqlite(_) => None,
+        }
+    }
+}
+
+impl Backend for SqliteStore {
+    fn wrap(tx: Transaction<'static, Sqlite>) -> Tx {
+        Tx::Sqlite(tx)
+    }
+    fn unwrap(tx: Tx) -> Option<Transaction<'static, Sqlite>> {
+        match tx {
+            Tx::Sqlite(tx) => Some(tx),
+            Tx::Pg(_) => None,
+        }
+    }
+}
+
+/// The shop's database: the idempotency store, whose pool also holds the shop's tables.
+#[derive(Debug, Clone)]
+pub enum ShopDb {
+    /// PostgreSQL.
+    Pg(PgStore),
+    /// SQLite (the default, a file).
+    Sqlite(SqliteStore),
+}
+
+/// The simulated providers' database: a pool of its own, so a provider call never runs inside
+/// (or waits for) the shop's transaction.
+#[derive(Debug, Clone)]
+pub enum ProviderDb {
+    /// Tables in the shop's PostgreSQL database, reached through another pool.
+    Pg(PgPool),
+    /// A SQLite file of its own next to the shop's file.
+    Sqlite(SqlitePool),
+}
+
+/// Which database a URL names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// `postgres://` or `postgresql://`.
+    Postgres,
+    /// `sqlite://` or `sqlite:`.
+    Sqlite,
+}
+
+impl Kind {
+    /// Reads the scheme of a database URL.
+    pub fn of_url(url: &str) -> anyhow::Result<Self> {
+        if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            Ok(Kind::Postgres)
+        } else if url.starts_with("sqlite:") {
+            Ok(Kind::Sqlite)
+        } else {
+            bail!("unsupported database URL {url:?}: use sqlite://FILE or postgres://USER:PASS@HOST/DB")
+        }
+    }
+
+    /// `"postgres"` or `"sqlite"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Kind::Postgres => "postgres",
+            Kind::Sqlite => "sqlite",
+        }
+    }
+}
+
+/// The file path of a `sqlite:` URL.
+fn sqlite_path(url: &str) -> anyhow::Result<&str> {
+    let rest = url
+        .strip_prefix("sqlite://")
+        .or_else(|| url.strip_prefix("sqlite:"))
+        .unwrap_or(url);
+    let path = rest.split('?').next().unwrap_or(rest);
+    if path.is_empty() || path.contains(":memory:") {
+        bail!("the shop needs a SQLite file (several connections share it), not {url:?}");
+    }
+    Ok(path)
+}
+
+async fn sqlite_pool(path: &str, max: u32) -> anyhow::Result<SqlitePool> {
+    let options = SqliteConnectOptions::from_str(&format!("sqlite://{path}"))?
+        .create_if_missing(true)
+        .journal_mode(SqliteJournalMode::Wal)
+        .synchronous(SqliteSynchronous::Normal)
+        .busy_timeout(Duration::from_secs(30));
+    Ok(SqlitePoolOptions::new()
+        .max_connections(max)
+        .connect_with(options)
+        .await?)
+}
+
+/// Connects both databases for `url` (the providers' SQLite file is `FILE.providers`).
+pub async fn connect(url: &str, max_connections: u32) -> anyhow::Result<(ShopDb, ProviderDb)> {
+    match Kind::of_url(url)? {
+        Kind::Postgres => {
+            let shop = PgPoolOptions::new()
+                .max_connections(max_connections)
+                .acquire_timeout(Duration::from_secs(30))
+                .connect(url)
+                .await
+                .with_context(|| format!("connecting to {url}"))?;
+            let providers = PgPoolOptions::new()
+                .max_connections(max_connections.div_ceil(2).max(2))
+                .connect(url)
+                .await?;
+            Ok((ShopDb::Pg(PgStore::new(shop)), ProviderDb::Pg(providers)))
+        }
+        Kind::Sqlite => {
+            let path = sqlite_path(url)?;
+            let shop = sqlite_pool(path, 8)
+                .await
+                .with_context(|| format!("opening SQLite file {path}"))?;
+            let providers = sqlite_pool(&format!("{path}.providers"), 4).await?;
+            Ok((
+                ShopDb::Sqlite(SqliteStore::new(shop)),
+                ProviderDb::Sqlite(providers),
+            ))
+        }
+    }
+}
+
+/// The statements of a migration file (comment lines dropped, split on `;`).
+fn statements(sql: &str) -> impl Iterator<Item = String> + '_ {
+    let code: String = sql
+        .lines()
+        .filter(|line| !line.trim_start().starts_with("--"))
+        .collect::<Vec<_>>()
+        .join("\n");
+    code.split(';')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(str::to_owned)
+        .collect::<Vec<_>>()
+        .into_iter()
+}
+
+impl ShopDb {
+    /// Which backend.
+    pub fn kind(&self) -> Kind {
+        match self {
+            ShopDb::Pg(_) => Kind::Postgres,
+            ShopDb::Sqlite(_) => Kind::Sqlite,
+        }
+    }
+
+    /// Installs the idempotency crate's key table, then the shop's tables. Safe to run from
+    /// several processes at once (advisory lock on PostgreSQL, `BEGIN IMMEDIATE` on SQLite).
+    pub async fn migrate(&self) -> anyhow::Result<()> {
+        match self {
+            ShopDb::Pg(store) => {
+                store.migrate().await.context("idempotency migrations")?;
+                let mut tx = store.pool().begin().await?;
+                sqlx::query("SELECT pg_advisory_xact_lock($1)")
+                    .bind(SHOP_MIGRATION_LOCK)
+                    .execute(&mut *tx)
+                    .await?;
+                for statement in statements(include_str!("../migrations/postgres.sql")) {
+                    sqlx::query(&statement).execute(&mut *tx).await?;
+                }
+                tx.commit().await?;
+            }
+            ShopDb::Sqlite(store) => {
+                store.migrate().await.context("idempotency migrations")?;
+                let mut tx = store.pool().begin_with("BEGIN IMMEDIATE").await?;
+                for statement in statements(include_str!("../migrations/sqlite.sql")) {
+                    sqlx::query(&statement).execute(&mut *tx).await?;
+                }
+                tx.commit().await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Opens a transaction for work that is not protected by a key (guarded transitions,
+    /// unique-constraint inserts); on SQLite it takes the write lock at once.
+    pub async fn begin(&self) -> Result<Tx, sqlx::Error> {
+        Ok(match self {
+            ShopDb::Pg(store) => Tx::Pg(store.pool().begin().await?),
+            ShopDb::Sqlite(store) => Tx::Sqlite(store.pool().begin_with("BEGIN IMMEDIATE").await?),
+        })
+    }
+
+    /// A pooled connection for reads.
+    pub async fn read(&self) -> Result<ReadConn, sqlx::Error> {
+        Ok(match self {
+            ShopDb::Pg(store) => ReadConn::Pg(store.pool().acquire().await?),
+            ShopDb::Sqlite(store) => ReadConn::Sqlite(store.pool().acquire().await?),
+        })
+    }
+}
+
+/// A pooled connection of either backend.
+#[derive(Debug)]
+pub enum ReadConn {
+    /// PostgreSQL.
+    Pg(sqlx::pool::PoolConnection<Postgres>),
+    /// SQLite.
+    Sqlite(sqlx::pool::PoolConnection<Sqlite>),
+}
+
+impl ReadConn {
+    /// The connection, for statements.
+    pub fn conn(&mut self) -> Conn<'_> {
+        match self {
+            ReadConn::Pg(c) => Conn::Pg(&mut **c),
+            ReadConn::Sqlite(c) => Conn::Sqlite(&mut **c),
+        }
+    }
+}
+
+impl ProviderDb {
+    /// Installs the providers' tables (idempotent, safe concurrently).
+    pub async fn migrate(&self) -> anyhow::Result<()> {
+        match self {
+            ProviderDb::Pg(pool) => {
+                let mut tx = pool.begin().await?;
+                sqlx::query("SELECT pg_advisory_xact_lock($1)")
+                    .bind(SHOP_MIGRATION_LOCK + 1)
+                    .execute(&mut *tx)
+                    .await?;
+                for statement in statements(include_str!("../migrations/postgres_providers.sql")) {
+                    sqlx::query(&statement).execute(&mut *tx).await?;
+                }
+                tx.commit().await?;
+            }
+            ProviderDb::Sqlite(pool) => {
+                let mut tx = pool.begin_with("BEGIN IMMEDIATE").await?;
+                for statement in statements(include_str!("../migrations/sqlite_providers.sql")) {
+                    sqlx::query(&statement).execute(&mut *tx).await?;
+                }
+                tx.commit().await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// A pooled connection.
+    pub async fn conn(&self) -> Result<ReadConn, sqlx::Error> {
+        Ok(match self {
+            ProviderDb::Pg(pool) => ReadConn::Pg(pool.acquire().await?),
+            ProviderDb::Sqlite(pool) => ReadConn::Sqlite(pool.acquire().await?),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_sqlite_paths() {
+        assert_eq!(sqlite_path("sqlite://shop.db").unwrap(), "shop.db");
+        assert_eq!(
+            sqlite_path("sqlite:/tmp/x.db?mode=rwc").unwrap(),
+            "/tmp/x.db"
+        );
+        assert!(sqlite_path("sqlite::memory:").is_err());
+        assert_eq!(Kind::of_url("postgresql://h/db").unwrap(), Kind::Postgres);
+        assert!(Kind::of_url("mysql://h/db").is_err());
+    }
+
+    #[test]
+    fn every_migration_statement_is_split() {
+        let n = statements(include_str!("../migrations/sqlite.sql")).count();
+        assert_eq!(n, 8);
+        assert_eq!(
+            statements(include_str!("../migrations/postgres.sql")).count(),
+            n
+        );
+    }
+}

@@ -1,0 +1,22 @@
+//! The demo shop: every defence of the idempotency article working together.
+//!
+//! * **Idempotency-Key** on `POST /purchases`, `POST /orders` and `POST /emails`, reserved
+//!   first (its own commit), completed in the business transaction ([`guard`]);
+//! * a **payment provider that honours idempotency keys**, to which our key is passed on, and a
+//!   **mail provider that does not**, whose unknown outcomes park the key ([`providers`]);
+//! * a **guarded state transition** (`POST /orders/{id}/pay`) and a **business unique
+//!   constraint** (`POST /points/grants`) ([`routes`]);
+//! * the **storm** that hammers it all with duplicates and checks the ledgers ([`storm`]), and
+//!   the **benchmark** ([`bench`]).
+#![warn(missing_docs)]
+
+pub mod app;
+pub mod bench;
+pub mod client;
+pub mod db;
+pub mod guard;
+pub mod metrics;
+pub mod problem;
+pub mod providers;
+pub mod routes;
+pub mod storm;

@@ -1,0 +1,212 @@
+//! `application/problem+json` (RFC 9457) answers, and what the idempotency guard should do with
+//! the key when a handler answers with one.
+
+use axum::{
+    extract::{rejection::JsonRejection, FromRequest, Request},
+    http::{header, HeaderValue, StatusCode},
+    response::{IntoResponse, Response},
+    Json,
+};
+use serde::de::DeserializeOwned;
+use serde_json::{json, Map, Value};
+
+/// The media type of a problem document.
+pub const PROBLEM_JSON: &str = "application/problem+json";
+
+/// What the idempotency guard does with the key of a request, set by the handler as a response
+/// extension. Without one, a 2xx answer is stored and anything else releases the key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Disposition {
+    /// A definitive answer (success or business refusal): commit it with the business rows and
+    /// replay it to every retry.
+    Store,
+    /// Nothing happened that a retry could duplicate: roll back and release the key.
+    Release,
+    /// An outside effect may have happened: roll back and park the key as *needs review*.
+    Park(String),
+}
+
+/// An RFC 9457 problem, answered with its status.
+///
+/// ```
+/// use shop::problem::Problem;
+/// let p = Problem::unprocessable("unknown-sku", "Unknown SKU", "no product 'x'");
+/// assert_eq!(p.status().as_u16(), 422);
+/// ```
+#[derive(Debug, Clone)]
+pub struct Problem {
+    status: StatusCode,
+    slug: &'static str,
+    title: &'static str,
+    detail: String,
+    extra: Map<String, Value>,
+    retry_after: Option<u64>,
+    disposition: Option<Disposition>,
+}
+
+impl Problem {
+    /// A problem with a status, a short slug (the `type` is `/problems/{slug}`), a title and a
+    /// human-readable detail.
+    pub fn new(
+        status: StatusCode,
+        slug: &'static str,
+        title: &'static str,
+        detail: impl Into<String>,
+    ) -> Self {
+        Self {
+            status,
+            slug,
+            title,
+            detail: detail.into(),
+            extra: Map::new(),
+            retry_after: None,
+            disposition: None,
+        }
+    }
+
+    /// 400: the request is malformed.
+    pub fn bad_request(slug: &'static str, title: &'static str, detail: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, slug, title, detail)
+    }
+
+    /// 422: well-formed but not acceptable.
+    pub fn unprocessable(
+        slug: &'static str,
+        title: &'static str,
+        detail: impl Into<String>,
+    ) -> Self {
+        Self::new(StatusCode::UNPROCESSABLE_ENTITY, slug, title, detail)
+    }
+
+    /// 404.
+    pub fn not_found(detail: impl Into<String>) -> Self {
+        Self::new(StatusCode::NOT_FOUND, "not-found", "Not found", detail)
+    }
+
+    /// 500 for a database failure (details are logged, not shown).
+    pub fn database(error: &sqlx::Error) -> Self {
+        tracing::error!(%error, "database error");
+        let status = match error {
+            sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed | sqlx::Error::Io(_) => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
+            _ => StatusCode::INTERNAL_SERVER_ERROR,
+        };
+        Self::new(
+            status,
+            "database",
+            "Database error",
+            "the database failed; nothing was changed, retry with the same Idempotency-Key",
+        )
+    }
+
+    /// The HTTP status.
+    pub fn status(&self) -> StatusCode {
+        self.status
+    }
+
+    /// Adds a member to the problem document.
+    pub fn with(mut self, name: &str, value: impl Into<Value>) -> Self {
+        self.extra.insert(name.to_owned(), value.into());
+        self
+    }
+
+    /// Adds a `Retry-After` header (seconds).
+    pub fn retry_after(mut self, seconds: u64) -> Self {
+        self.retry_after = Some(seconds);
+        self
+    }
+
+    /// Marks the problem as a definitive answer, stored and replayed like a success.
+    pub fn definitive(mut self) -> Self {
+        self.disposition = Some(Disposition::Store);
+        self
+    }
+
+    /// Marks the outcome as unknown: the key is parked as *needs review*.
+    pub fn park(mut self, reason: impl Into<String>) -> Self {
+        self.disposition = Some(Disposition::Park(reason.into()));
+        self
+    }
+}
+
+impl IntoResponse for Problem {
+    fn into_response(self) -> Response {
+        let mut body = json!({
+            "type": format!("/problems/{}", self.slug),
+            "title": self.title,
+            "status": self.status.as_u16(),
+            "detail": self.detail,
+        });
+        if let Value::Object(map) = &mut body {
+            map.extend(self.extra);
+        }
+        let mut response = (self.status, Json(body)).into_response();
+        response
+            .headers_mut()
+            .insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
+        if let Some(seconds) = self.retry_after {
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+        }
+        if let Some(disposition) = self.disposition {
+            response.extensions_mut().insert(disposition);
+        }
+        response
+    }
+}
+
+/// A JSON body whose rejections are problem documents: bad JSON → 400, wrong shape → 422,
+/// missing `Content-Type: application/json` → 415, too large → 413.
+#[derive(Debug, Clone)]
+pub struct JsonBody<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for JsonBody<T> {
+    type Rejection = Problem;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Problem> {
+        match Json::<T>::from_request(req, state).await {
+            Ok(Json(value)) => Ok(JsonBody(value)),
+            Err(rejection) => Err(json_problem(&rejection)),
+        }
+    }
+}
+
+fn json_problem(rejection: &JsonRejection) -> Problem {
+    let detail = rejection.body_text();
+    match rejection {
+        JsonRejection::JsonDataError(_) => {
+            Problem::unprocessable("invalid-body", "Invalid request body", detail)
+        }
+        JsonRejection::JsonSyntaxError(_) => {
+            Problem::bad_request("malformed-json", "Malformed JSON", detail)
+        }
+        JsonRejection::MissingJsonContentType(_) => Problem::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "unsupported-media-type",
+            "Unsupported media type",
+            "send the body as JSON with Content-Type: application/json",
+        ),
+        _ if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE => too_large(),
+        _ => Problem::new(
+            rejection.status(),
+            "invalid-body",
+            "Invalid request body",
+            detail,
+        ),
+    }
+}
+
+/// Largest accepted request body, in bytes.
+pub const BODY_LIMIT: usize = 16 * 1024;
+
+/// 413 for a body over [`BODY_LIMIT`].
+pub fn too_large() -> Problem {
+    Problem::new(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "payload-too-large",
+        "Payload too large",
+        format!("the request body is larger than {BODY_LIMIT} bytes"),
+    )
+}

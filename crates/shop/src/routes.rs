@@ -1,0 +1,596 @@
+//! The handlers. Each shows one defence of the article:
+//!
+//! | route | defence |
+//! |---|---|
+//! | `POST /purchases` | Idempotency-Key (reserve first), business rows + stored response in one transaction, our key passed on to the idempotent payment provider, a definitive refusal stored and replayed |
+//! | `POST /orders` | Idempotency-Key (local work only) |
+//! | `POST /orders/{id}/pay` | guarded state transition: `UPDATE … WHERE status = 'unpaid'` |
+//! | `POST /points/grants` | business unique constraint: one grant per order |
+//! | `POST /emails` | Idempotency-Key on a provider *without* idempotency: an unknown outcome parks the key as *needs review* |
+
+use crate::{
+    app::{App, UserId, START_BALANCE_CENTS},
+    db::Tx,
+    guard::{HeldKey, TxSlot},
+    on_conn,
+    problem::{JsonBody, Problem},
+    providers::ProviderError,
+};
+use axum::{
+    extract::{rejection::PathRejection, Path, State},
+    http::StatusCode,
+    Extension, Json,
+};
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+/// What the shop sells: `(sku, price in cents)`.
+pub const CATALOG: &[(&str, i64)] = &[("tea", 450), ("coffee", 380), ("mug", 1_200), ("pencil", 1)];
+
+/// Largest quantity of one line.
+pub const MAX_QUANTITY: i64 = 100;
+
+type Answer = Result<(StatusCode, Json<Value>), Problem>;
+
+/// Body of `POST /purchases` and `POST /orders`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OrderRequest {
+    /// A SKU from [`CATALOG`].
+    pub sku: String,
+    /// 1 to [`MAX_QUANTITY`].
+    pub quantity: i64,
+}
+
+impl OrderRequest {
+    /// The amount, or why the request is unacceptable (422).
+    fn amount_cents(&self) -> Result<i64, Problem> {
+        let Some(&(_, price)) = CATALOG.iter().find(|(sku, _)| *sku == self.sku) else {
+            let known: Vec<&str> = CATALOG.iter().map(|(sku, _)| *sku).collect();
+            return Err(Problem::unprocessable(
+                "unknown-sku",
+                "Unknown SKU",
+                format!(
+                    "there is no product {:?}; known SKUs: {}",
+                    self.sku,
+                    known.join(", ")
+                ),
+            ));
+        };
+        if !(1..=MAX_QUANTITY).contains(&self.quantity) {
+            return Err(Problem::unprocessable(
+                "invalid-quantity",
+                "Invalid quantity",
+                format!(
+                    "quantity must be between 1 and {MAX_QUANTITY}, not {}",
+                    self.quantity
+                ),
+            ));
+        }
+        Ok(price * self.quantity)
+    }
+}
+
+fn no_tx() -> Problem {
+    Problem::new(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "no-transaction",
+        "No transaction",
+        "the request's transaction is gone",
+    )
+}
+
+fn path_problem(rejection: PathRejection) -> Problem {
+    Problem::bad_request("invalid-path", "Invalid path", rejection.body_text())
+}
+
+/// Creates the user with the start balance if it is new.
+async fn ensure_user(tx: &mut Tx, user: &str) -> Result<(), Problem> {
+    on_conn!(tx.conn(), |c| sqlx::query(
+        "INSERT INTO shop_users (id, balance_cents) VALUES ($1, $2) ON CONFLICT (id) DO NOTHING"
+    )
+    .bind(user)
+    .bind(START_BALANCE_CENTS)
+    .execute(&mut *c)
+    .await
+    .map_err(|e| Problem::database(&e))?
+    .rows_affected());
+    Ok(())
+}
+
+/// Takes `amount` from the balance only if it covers it (a conditional UPDATE, so two
+/// concurrent debits can never overdraw). On refusal, the problem carries the balance.
+async fn debit(tx: &mut Tx, user: &str, amount: i64) -> Result<(), Problem> {
+    let debited = on_conn!(tx.conn(), |c| sqlx::query(
+        "UPDATE shop_users SET balance_cents = balance_cents - $2
+         WHERE id = $1 AND balance_cents >= $2"
+    )
+    .bind(user)
+    .bind(amount)
+    .execute(&mut *c)
+    .await
+    .map_err(|e| Problem::database(&e))?
+    .rows_affected());
+    if debited == 1 {
+        return Ok(());
+    }
+    let balance: i64 = on_conn!(tx.conn(), |c| sqlx::query_scalar(
+        "SELECT balance_cents FROM shop_users WHERE id = $1"
+    )
+    .bind(user)
+    .fetch_one(&mut *c)
+    .await
+    .map_err(|e| Problem::database(&e))?);
+    Err(Problem::new(
+        StatusCode::PAYMENT_REQUIRED,
+        "insufficient-balance",
+        "Insufficient balance",
+        format!("this costs {amount} cents but the balance is {balance} cents"),
+    )
+    .with("amount_cents", amount)
+    .with("balance_cents", balance))
+}
+
+fn payment_problem(error: ProviderError) -> Problem {
+    match error {
+        ProviderError::Storage(e) => Problem::database(&e),
+        other => Problem::new(
+            StatusCode::BAD_GATEWAY,
+            "payment-provider",
+            "Payment provider failed",
+            format!("{other}; nothing was kept here, and the provider keeps charges by our key, so retrying with the same Idempotency-Key cannot charge twice"),
+        )
+        .retry_after(1),
+    }
+}
+
+/// `POST /purchases`: debit, create the order, charge the provider with our key, mark the
+/// order paid and record the purchase, all in the guard's transaction.
+pub async fn purchase(
+    State(app): State<App>,
+    Extension(user): Extension<UserId>,
+    key: Option<Extension<HeldKey>>,
+    slot: TxSlot,
+    JsonBody(request): JsonBody<OrderRequest>,
+) -> Answer {
+    let amount = request.amount_cents()?;
+    // The provider receives our own key (user/operation/key), so a retry after an unknown
+    // outcome returns the same charge. (The unprotected bench route has no key.)
+    let provider_key = match key {
+        Some(Extension(HeldKey(key))) => format!("shop:{key}"),
+        None => format!("unprotected:{}", uuid::Uuid::new_v4()),
+    };
+    let mut guard = slot.lock().await;
+    let tx = guard.as_mut().ok_or_else(no_tx)?;
+    ensure_user(tx, &user.0).await?;
+    // A refusal is definitive: stored with the key and replayed to every retry.
+    debit(tx, &user.0, amount).await.map_err(|p| {
+        if p.status() == StatusCode::PAYMENT_REQUIRED {
+            p.definitive()
+        } else {
+            p
+        }
+    })?;
+    let order_id: i64 = on_conn!(tx.conn(), |c| sqlx::query_scalar(
+        "INSERT INTO shop_orders (user_id, sku, quantity, amount_cents, status)
+         VALUES ($1, $2, $3, $4, 'unpaid') RETURNING id"
+    )
+    .bind(&user.0)
+    .bind(&request.sku)
+    .bind(request.quantity)
+    .bind(amount)
+    .fetch_one(&mut *c)
+    .await
+    .map_err(|e| Problem::database(&e))?);
+    let charge = app
+        .payment()
+        .charge(&provider_key, &user.0, amount)
+        .await
+        .map_err(payment_problem)?;
+    let paid = on_conn!(tx.conn(), |c| {
+        sqlx::query(
+        "UPDATE shop_orders SET status = 'paid', charge_id = $2 WHERE id = $1 AND status = 'unpaid'"
+    )
+    .bind(order_id)
+    .bind(&charge.charge_id)
+    .execute(&mut *c)
+    .await
+    .map_err(|e| Problem::database(&e))?
+    .rows_affected()
+    });
+    if paid != 1 {
+        return Err(no_tx());
+    }
+    let purchase_id: i64 = on_conn!(tx.conn(), |c| sqlx::query_scalar(
+        "INSERT INTO shop_purchases (user_id, order_id) VALUES ($1, $2) RETURNING id"
+    )
+    .bind(&user.0)
+    .bind(order_id)
+    .fetch_one(&mut *c)
+    .await
+    .map_err(|e| Problem::database(&e))?);
+    Ok((
+        StatusCode::CREATED,
+        Json(json!({
+            "purchase_id": purchase_id,
+            "order_id": order_id,
+            "sku": request.sku,
+            "quantity": request.quantity,
+            "amount_cents": amount,
+            "charge_id": charge.charge_id,
+        })),
+    ))
+}
+
+/// `POST /orders`: creates an unpaid order (keyed, local work only).
+pub async fn create_order(
+    Extension(user): Extension<UserId>,
+    slot: TxSlot,
+    JsonBody(request): JsonBody<OrderRequest>,
+) -> Answer {
+    let amount = request.amount_cents()?;
+    let mut guard = slot.lock().await;
+    let tx = guard.as_mut().ok_or_else(no_tx)?;
+    ensure_user(tx, &user.0).await?;
+    let order_id: i64 = on_conn!(tx.conn(), |c| sqlx::query_scalar(
+        "INSERT INTO shop_orders (user_id, sku, quantity, amount_cents, status)
+         VALUES ($1, $2, $3, $4, 'unpaid') RETURNING id"
+    )
+    .bind(&user.0)
+    .bind(&request.sku)
+    .bind(request.quantity)
+    .bind(amount)
+    .fetch_one(&mut *c)
+    .await
+    .map_err(|e| Problem::database(&e))?);
+    Ok((
+        StatusCode::CREATED,
+        Json(json!({
+            "order_id": order_id,
+            "sku": request.sku,
+            "quantity": request.quantity,
+            "amount_cents": amount,
+            "status": "unpaid",
+        })),
+    ))
+}
+
+type OrderRow = (i64, String, i64, i64, String, Option<String>);
+
+fn order_json(row: OrderRow) -> Value {
+    let (id, sku, quantity, amount, status, charge_id) = row;
+    json!({"order_id": id, "sku": sku, "quantity": quantity, "amount_cents": amount, "status": status, "charge_id": charge_id})
+}
+
+/// `GET /orders/{id}`: a plain indexed read (the benchmark's baseline for replays).
+pub async fn get_order(
+    State(app): State<App>,
+    Extension(user): Extension<UserId>,
+    id: Result<Path<i64>, PathRejection>,
+) -> Answer {
+    let Path(id) = id.map_err(path_problem)?;
+    let mut conn = app.db().read().await.map_err(|e| Problem::database(&e))?;
+    let row: Option<OrderRow> = on_conn!(conn.conn(), |c| sqlx::query_as(
+        "SELECT id, sku, quantity, amount_cents, status, charge_id FROM shop_orders
+         WHERE id = $1 AND user_id = $2"
+    )
+    .bind(id)
+    .bind(&user.0)
+    .fetch_optional(&mut *c)
+    .await
+    .map_err(|e| Problem::database(&e))?);
+    match row {
+        Some(row) => Ok((StatusCode::OK, Json(order_json(row)))),
+        None => Err(Problem::not_found(format!("you have no order {id}"))),
+    }
+}
+
+/// `POST /orders/{id}/pay`: the guarded transition `unpaid → paid`. The conditional UPDATE is
+/// the last line of defence: of two concurrent calls exactly one finds the order unpaid; the
+/// other answers `"already_paid": true` and charges nothing.
+pub async fn pay_order(
+    State(app): State<App>,
+    Extension(user): Extension<UserId>,
+    id: Result<Path<i64>, PathRejection>,
+    slot: TxSlot,
+) -> Answer {
+    let Path(id) = id.map_err(path_problem)?;
+    let mut guard = slot.lock().await;
+    let tx = guard.as_mut().ok_or_else(no_tx)?;
+    let amount: Option<i64> = on_conn!(tx.conn(), |c| sqlx::query_scalar(
+        "UPDATE shop_orders SET status = 'paid'
+         WHERE id = $1 AND user_id = $2 AND status = 'unpaid' RETURNING amount_cents"
+    )
+    .bind(id)
+    .bind(&user.0)
+    .fetch_optional(&mut *c)
+    .await
+    .map_err(|e| Problem::database(&e))?);
+    let Some(amount) = amount else {
+        let existing: Option<OrderRow> = on_conn!(tx.conn(), |c| sqlx::query_as(
+            "SELECT id, sku, quantity, amount_cents, status, charge_id FROM shop_orders
+             WHERE id = $1 AND user_id = $2"
+        )
+        .bind(id)
+        .bind(&user.0)
+        .fetch_optional(&mut *c)
+        .await
+        .map_err(|e| Problem::database(&e))?);
+        let Some(existing) = existing else {
+            return Err(Problem::not_found(format!("you have no order {id}")));
+        };
+        let mut body = order_json(existing);
+        body["already_paid"] = json!(true);
+        return Ok((StatusCode::OK, Json(body)));
+    };
+    debit(tx, &user.0, amount).await?;
+    // The order id names the payment: a retry after a failure charges the same charge.
+    let charge = app
+        .payment()
+        .charge(&format!("shop:order-pay:{id}"), &user.0, amount)
+        .await
+        .map_err(payment_problem)?;
+    let row: OrderRow = on_conn!(tx.conn(), |c| sqlx::query_as(
+        "UPDATE shop_orders SET charge_id = $2 WHERE id = $1
+         RETURNING id, sku, quantity, amount_cents, status, charge_id"
+    )
+    .bind(id)
+    .bind(&charge.charge_id)
+    .fetch_one(&mut *c)
+    .await
+    .map_err(|e| Problem::database(&e))?);
+    let mut body = order_json(row);
+    body["already_paid"] = json!(false);
+    Ok((StatusCode::OK, Json(body)))
+}
+
+/// Body of `POST /points/grants`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GrantRequest {
+    /// A paid order of the user.
+    pub order_id: i64,
+    /// 1 to 100 000 points.
+    pub points: i64,
+}
+
+/// `POST /points/grants`: one grant per order, enforced by a unique constraint on `order_id`
+/// (`INSERT … ON CONFLICT DO NOTHING`); a duplicate answers 200 with the existing grant.
+pub async fn grant_points(
+    Extension(user): Extension<UserId>,
+    slot: TxSlot,
+    JsonBody(request): JsonBody<GrantRequest>,
+) -> Answer {
+    if !(1..=100_000).contains(&request.points) {
+        return Err(Problem::unprocessable(
+            "invalid-points",
+            "Invalid points",
+            format!(
+                "points must be between 1 and 100000, not {}",
+                request.points
+            ),
+        ));
+    }
+    let mut guard = slot.lock().await;
+    let tx = guard.as_mut().ok_or_else(no_tx)?;
+    let status: Option<String> = on_conn!(tx.conn(), |c| sqlx::query_scalar(
+        "SELECT status FROM shop_orders WHERE id = $1 AND user_id = $2"
+    )
+    .bind(request.order_id)
+    .bind(&user.0)
+    .fetch_optional(&mut *c)
+    .await
+    .map_err(|e| Problem::database(&e))?);
+    match status.as_deref() {
+        None => {
+            return Err(Problem::not_found(format!(
+                "you have no order {}",
+                request.order_id
+            )))
+        }
+        Some("paid") => {}
+        Some(_) => {
+            return Err(Problem::unprocessable(
+                "order-unpaid",
+                "Order not paid",
+                format!(
+                    "order {} is not paid; points are granted for paid orders",
+                    request.order_id
+                ),
+            ))
+        }
+    }
+    let inserted: Option<i64> = on_conn!(tx.conn(), |c| sqlx::query_scalar(
+        "INSERT INTO shop_point_grants (order_id, user_id, points) VALUES ($1, $2, $3)
+         ON CONFLICT (order_id) DO NOTHING RETURNING id"
+    )
+    .bind(request.order_id)
+    .bind(&user.0)
+    .bind(request.points)
+    .fetch_optional(&mut *c)
+    .await
+    .map_err(|e| Problem::database(&e))?);
+    if let Some(grant_id) = inserted {
+        return Ok((
+            StatusCode::CREATED,
+            Json(
+                json!({"grant_id": grant_id, "order_id": request.order_id, "points": request.points, "duplicate": false}),
+            ),
+        ));
+    }
+    let (grant_id, points): (i64, i64) = on_conn!(tx.conn(), |c| sqlx::query_as(
+        "SELECT id, points FROM shop_point_grants WHERE order_id = $1"
+    )
+    .bind(request.order_id)
+    .fetch_one(&mut *c)
+    .await
+    .map_err(|e| Problem::database(&e))?);
+    Ok((
+        StatusCode::OK,
+        Json(
+            json!({"grant_id": grant_id, "order_id": request.order_id, "points": points, "duplicate": true}),
+        ),
+    ))
+}
+
+/// Body of `POST /emails`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EmailRequest {
+    /// Recipient address.
+    pub to: String,
+    /// Subject line (at most 200 bytes).
+    pub subject: String,
+    /// Text (at most 8 KiB).
+    #[serde(default)]
+    pub body: String,
+}
+
+/// `POST /emails`: sends through the mail provider, which has no idempotency support. When the
+/// call fails the message may have gone out, so the key is **parked** as *needs review* instead
+/// of released: a retry answers 409 instead of sending again.
+pub async fn send_email(
+    State(app): State<App>,
+    Extension(user): Extension<UserId>,
+    Extension(HeldKey(key)): Extension<HeldKey>,
+    slot: TxSlot,
+    JsonBody(request): JsonBody<EmailRequest>,
+) -> Answer {
+    let to = request.to.trim();
+    if to.len() > 254 || !to.contains('@') || to.starts_with('@') || to.ends_with('@') {
+        return Err(Problem::unprocessable(
+            "invalid-recipient",
+            "Invalid recipient",
+            format!("{to:?} is not an e-mail address"),
+        ));
+    }
+    if request.subject.is_empty() || request.subject.len() > 200 || request.body.len() > 8192 {
+        return Err(Problem::unprocessable(
+            "invalid-message",
+            "Invalid message",
+            "the subject needs 1 to 200 bytes and the body at most 8192",
+        ));
+    }
+    let message_id = match app
+        .mail()
+        .send(&user.0, to, &request.subject, &key.to_string())
+        .await
+    {
+        Ok(id) => id,
+        Err(ProviderError::Storage(e)) => return Err(Problem::database(&e)),
+        Err(e) => {
+            return Err(Problem::new(
+                StatusCode::BAD_GATEWAY,
+                "mail-outcome-unknown",
+                "Mail outcome unknown",
+                format!("{e}; the mail provider cannot deduplicate, so this key is parked for review instead of being retried"),
+            )
+            .park(format!("mail provider: {e}")))
+        }
+    };
+    let mut guard = slot.lock().await;
+    let tx = guard.as_mut().ok_or_else(no_tx)?;
+    let email_id: i64 = on_conn!(tx.conn(), |c| {
+        sqlx::query_scalar(
+        "INSERT INTO shop_emails (user_id, recipient, subject, message_id) VALUES ($1, $2, $3, $4) RETURNING id"
+    )
+    .bind(&user.0)
+    .bind(to)
+    .bind(&request.subject)
+    .bind(&message_id)
+    .fetch_one(&mut *c)
+    .await
+    .map_err(|e| Problem::database(&e))?
+    });
+    Ok((
+        StatusCode::CREATED,
+        Json(json!({"email_id": email_id, "message_id": message_id, "status": "sent"})),
+    ))
+}
+
+/// `GET /users/{id}/ledger`: the user's money, points and mail, read straight from the tables
+/// (the shop's and the providers'), for checking invariants.
+pub async fn ledger(
+    State(app): State<App>,
+    Extension(user): Extension<UserId>,
+    id: Result<Path<String>, PathRejection>,
+) -> Answer {
+    let Path(id) = id.map_err(path_problem)?;
+    if id != user.0 {
+        return Err(Problem::new(
+            StatusCode::FORBIDDEN,
+            "forbidden",
+            "Forbidden",
+            "you may only read your own ledger",
+        ));
+    }
+    let db = |e: sqlx::Error| Problem::database(&e);
+    let mut conn = app.db().read().await.map_err(db)?;
+    let (balance, orders, points, grants, recorded) = on_conn!(conn.conn(), |c| {
+        let balance: Option<i64> =
+            sqlx::query_scalar("SELECT balance_cents FROM shop_users WHERE id = $1")
+                .bind(&id)
+                .fetch_optional(&mut *c)
+                .await
+                .map_err(db)?;
+        let orders: Vec<OrderRow> = sqlx::query_as(
+            "SELECT id, sku, quantity, amount_cents, status, charge_id FROM shop_orders
+             WHERE user_id = $1 ORDER BY id",
+        )
+        .bind(&id)
+        .fetch_all(&mut *c)
+        .await
+        .map_err(db)?;
+        let (points, grants): (i64, i64) = sqlx::query_as(
+            "SELECT CAST(COALESCE(SUM(points), 0) AS BIGINT), COUNT(*) FROM shop_point_grants WHERE user_id = $1",
+        )
+        .bind(&id)
+        .fetch_one(&mut *c)
+        .await
+        .map_err(db)?;
+        let recorded: i64 =
+            sqlx::query_scalar("SELECT COUNT(*) FROM shop_emails WHERE user_id = $1")
+                .bind(&id)
+                .fetch_one(&mut *c)
+                .await
+                .map_err(db)?;
+        (balance, orders, points, grants, recorded)
+    });
+    drop(conn);
+    let mut conn = app.providers().conn().await.map_err(db)?;
+    let (charges, sent) = on_conn!(conn.conn(), |c| {
+        let charges: Vec<(String, i64)> = sqlx::query_as(
+            "SELECT charge_id, amount_cents FROM payment_provider_charges
+             WHERE account = $1 ORDER BY charge_id",
+        )
+        .bind(&id)
+        .fetch_all(&mut *c)
+        .await
+        .map_err(db)?;
+        let sent: i64 =
+            sqlx::query_scalar("SELECT COUNT(*) FROM mail_provider_messages WHERE account = $1")
+                .bind(&id)
+                .fetch_one(&mut *c)
+                .await
+                .map_err(db)?;
+        (charges, sent)
+    });
+    let charged_total: i64 = charges.iter().map(|(_, amount)| amount).sum();
+    let paid_total: i64 = orders.iter().filter(|o| o.4 == "paid").map(|o| o.3).sum();
+    Ok((
+        StatusCode::OK,
+        Json(json!({
+            "user_id": id,
+            "start_balance_cents": START_BALANCE_CENTS,
+            "balance_cents": balance.unwrap_or(START_BALANCE_CENTS),
+            "charges": charges.iter().map(|(id, amount)| json!({"charge_id": id, "amount_cents": amount})).collect::<Vec<_>>(),
+            "charged_total_cents": charged_total,
+            "paid_orders_total_cents": paid_total,
+            "orders": orders.into_iter().map(order_json).collect::<Vec<_>>(),
+            "points_total": points,
+            "point_grants": grants,
+            "emails_sent": sent,
+            "emails_recorded": recorded,
+        })),
+    ))
+}
