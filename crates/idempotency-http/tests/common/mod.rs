@@ -1,0 +1,308 @@
+//! One harness for the HTTP tests: a real axum app on a loopback port, on PostgreSQL or SQLite.
+#![allow(dead_code)]
+
+use axum::{
+    body::Bytes,
+    http::{HeaderMap, StatusCode},
+    response::{IntoResponse, Response},
+    routing::{get, post},
+    Json, Router,
+};
+use futures_util::future::BoxFuture;
+use idempotency::{
+    store::{postgres::PgStore, sqlite::SqliteStore, Store},
+    Idempotency,
+};
+use idempotency_http::{IdempotencyLayer, IdempotentTx, KeyRequirement};
+use sqlx::{PgPool, Postgres, Sqlite, SqlitePool};
+use std::time::Duration;
+
+/// The business write of the test handler, per database.
+pub trait Backend: sqlx::Database {
+    fn insert_order<'a>(
+        tx: &'a mut sqlx::Transaction<'static, Self>,
+        scope: &'a str,
+        sku: &'a str,
+    ) -> BoxFuture<'a, Result<i64, sqlx::Error>>;
+}
+
+impl Backend for Postgres {
+    fn insert_order<'a>(
+        tx: &'a mut sqlx::Transaction<'static, Self>,
+        scope: &'a str,
+        sku: &'a str,
+    ) -> BoxFuture<'a, Result<i64, sqlx::Error>> {
+        Box::pin(async move {
+            sqlx::query_scalar("INSERT INTO orders (scope, sku) VALUES ($1, $2) RETURNING id")
+                .bind(scope)
+                .bind(sku)
+                .fetch_one(&mut **tx)
+                .await
+        })
+    }
+}
+
+impl Backend for Sqlite {
+    fn insert_order<'a>(
+        tx: &'a mut sqlx::Transaction<'static, Self>,
+        scope: &'a str,
+        sku: &'a str,
+    ) -> BoxFuture<'a, Result<i64, sqlx::Error>> {
+        Box::pin(async move {
+            sqlx::query_scalar("INSERT INTO orders (scope, sku) VALUES (?1, ?2) RETURNING id")
+                .bind(scope)
+                .bind(sku)
+                .fetch_one(&mut **tx)
+                .await
+        })
+    }
+}
+
+fn header<'h>(headers: &'h HeaderMap, name: &str) -> Option<&'h str> {
+    headers.get(name).and_then(|v| v.to_str().ok())
+}
+
+/// Writes an order through the layer's transaction, then (per request headers, which are not in
+/// the fingerprint) sleeps, fails with 500 or panics. The response carries a random nonce, so a
+/// replay is told from a second execution by its bytes.
+async fn create_order<DB: Backend>(
+    headers: HeaderMap,
+    mut tx: IdempotentTx<DB>,
+    body: Bytes,
+) -> Response {
+    let request: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+    let sku = request["sku"].as_str().unwrap_or("none").to_owned();
+    let scope = header(&headers, "x-user").unwrap_or("nobody").to_owned();
+    let id = match DB::insert_order(&mut tx, &scope, &sku).await {
+        Ok(id) => id,
+        Err(e) => return (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
+    };
+    if let Some(ms) = header(&headers, "x-sleep-ms").and_then(|v| v.parse().ok()) {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
+    match header(&headers, "x-fail") {
+        Some("500") => {
+            return (StatusCode::INTERNAL_SERVER_ERROR, "failed on purpose").into_response()
+        }
+        Some("panic") => panic!("handler panics on purpose"),
+        _ => {}
+    }
+    (
+        StatusCode::CREATED,
+        [
+            ("location", format!("/orders/{id}")),
+            ("set-cookie", "session=secret".to_owned()),
+            ("x-order-id", id.to_string()),
+            ("x-not-stored", "1".to_owned()),
+        ],
+        Json(serde_json::json!({"order_id": id, "sku": sku, "nonce": uuid::Uuid::new_v4()})),
+    )
+        .into_response()
+}
+
+/// A handler that never touches the transaction.
+async fn nonce() -> Json<serde_json::Value> {
+    Json(serde_json::json!({"nonce": uuid::Uuid::new_v4()}))
+}
+
+/// The layer the tests use: scope from `x-user`, `x-order-id` stored.
+pub fn layer<S: Store>(store: S) -> IdempotencyLayer<S> {
+    IdempotencyLayer::new(Idempotency::new(store))
+        .scope_from(|parts| header(&parts.headers, "x-user").map(str::to_owned))
+        .stored_headers([http::HeaderName::from_static("x-order-id")])
+}
+
+/// The test app: `/orders` (required key), `/optional-orders` (optional key), `/small` (1 KiB
+/// limit), `/nonce` (no transaction), `/orders/{id}` GET passes through.
+pub fn app<S: Store>(store: S) -> Router
+where
+    S::Database: Backend,
+{
+    let orders = Router::new()
+        .route("/orders", post(create_order::<S::Database>))
+        .route(
+            "/orders/{id}",
+            get(|| async { "read" }).post(create_order::<S::Database>),
+        )
+        .route("/nonce", post(nonce))
+        .route_layer(layer(store.clone()));
+    let optional = Router::new()
+        .route("/optional-orders", post(create_order::<S::Database>))
+        .route_layer(layer(store.clone()).key_requirement(KeyRequirement::Optional));
+    let small = Router::new()
+        .route("/small", post(create_order::<S::Database>))
+        .route_layer(layer(store).body_limit(1024));
+    orders.merge(optional).merge(small)
+}
+
+/// Serves `router` on a random loopback port; returns its base URL.
+pub async fn serve(router: Router) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
+    format!("http://{address}")
+}
+
+/// The database the app runs on, for inspecting its tables.
+#[derive(Clone)]
+pub enum Db {
+    Pg(PgPool),
+    Lite(SqlitePool),
+}
+
+impl Db {
+    pub async fn scalar(&self, sql: &str) -> i64 {
+        match self {
+            Db::Pg(pool) => sqlx::query_scalar(sql).fetch_one(pool).await.unwrap(),
+            Db::Lite(pool) => sqlx::query_scalar(sql).fetch_one(pool).await.unwrap(),
+        }
+    }
+
+    pub async fn orders(&self, sku: &str) -> i64 {
+        self.scalar(&format!("SELECT COUNT(*) FROM orders WHERE sku = '{sku}'"))
+            .await
+    }
+
+    pub async fn keys(&self) -> i64 {
+        self.scalar("SELECT COUNT(*) FROM idempotency_keys").await
+    }
+
+    pub async fn keys_in_state(&self, state: &str) -> i64 {
+        self.scalar(&format!(
+            "SELECT COUNT(*) FROM idempotency_keys WHERE state = '{state}'"
+        ))
+        .await
+    }
+
+    /// Polls until `count` returns `want`, for at most `within`; returns the last value.
+    pub async fn wait_for_keys(&self, want: i64, within: Duration) -> i64 {
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            let now = self.keys().await;
+            if now == want || tokio::time::Instant::now() > deadline {
+                return now;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+/// A running test app.
+pub struct TestApp {
+    pub url: String,
+    pub db: Db,
+    pub client: reqwest::Client,
+    _sqlite: Option<test_support::SqliteFile>,
+}
+
+impl TestApp {
+    pub async fn postgres() -> Option<Self> {
+        let url = test_support::fresh_postgres_url().await?;
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(20)
+            .connect(&url)
+            .await
+            .unwrap();
+        let store = PgStore::new(pool.clone());
+        store.migrate().await.unwrap();
+        sqlx::query(
+            "CREATE TABLE orders (id BIGSERIAL PRIMARY KEY, scope TEXT NOT NULL, sku TEXT NOT NULL)",
+        )
+        .execute(&pool)
+        .await
+        .unwrap();
+        Some(Self {
+            url: serve(app(store)).await,
+            db: Db::Pg(pool),
+            client: reqwest::Client::new(),
+            _sqlite: None,
+        })
+    }
+
+    pub async fn sqlite() -> Self {
+        let file = test_support::fresh_sqlite();
+        let store = SqliteStore::connect(&file.url).await.unwrap();
+        store.migrate().await.unwrap();
+        sqlx::query(
+            "CREATE TABLE orders (id INTEGER PRIMARY KEY AUTOINCREMENT, scope TEXT NOT NULL, sku TEXT NOT NULL)",
+        )
+        .execute(store.pool())
+        .await
+        .unwrap();
+        Self {
+            url: serve(app(store.clone())).await,
+            db: Db::Lite(store.pool().clone()),
+            client: reqwest::Client::new(),
+            _sqlite: Some(file),
+        }
+    }
+
+    /// A POST to `path` as `user`, with an optional key and a JSON body.
+    pub fn post(
+        &self,
+        path: &str,
+        user: &str,
+        key: Option<&str>,
+        body: &serde_json::Value,
+    ) -> reqwest::RequestBuilder {
+        let mut request = self
+            .client
+            .post(format!("{}{path}", self.url))
+            .header("x-user", user)
+            .header("content-type", "application/json")
+            .body(body.to_string());
+        if let Some(key) = key {
+            request = request.header("idempotency-key", key);
+        }
+        request
+    }
+}
+
+/// What a test needs of a response.
+#[derive(Debug, Clone)]
+pub struct Answer {
+    pub status: u16,
+    pub headers: reqwest::header::HeaderMap,
+    pub body: Bytes,
+}
+
+impl Answer {
+    pub async fn of(request: reqwest::RequestBuilder) -> Self {
+        let response = request.send().await.expect("request sent");
+        Self {
+            status: response.status().as_u16(),
+            headers: response.headers().clone(),
+            body: response.bytes().await.expect("body read"),
+        }
+    }
+
+    pub fn replayed(&self) -> bool {
+        self.headers
+            .get("idempotent-replayed")
+            .is_some_and(|v| v == "true")
+    }
+
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&self.body)))
+    }
+
+    /// Asserts an RFC 9457 problem of `type_uri` with `status`.
+    pub fn assert_problem(&self, status: u16, type_uri: &str) {
+        assert_eq!(
+            self.status,
+            status,
+            "{}",
+            String::from_utf8_lossy(&self.body)
+        );
+        assert_eq!(self.headers["content-type"], "application/problem+json");
+        let json = self.json();
+        assert_eq!(json["type"], type_uri, "{json}");
+        assert_eq!(json["status"], status, "{json}");
+        assert!(json["title"].is_string(), "{json}");
+    }
+}
+
+pub fn new_key() -> String {
+    uuid::Uuid::new_v4().to_string()
+}

@@ -1,0 +1,357 @@
+//! The layer in a real axum app over HTTP, against PostgreSQL and SQLite.
+
+mod common;
+
+use common::{new_key, Answer, TestApp};
+use futures_util::future::join_all;
+use idempotency_http::problem::types;
+use serde_json::json;
+use std::time::Duration;
+
+/// Runs a scenario on both databases (PostgreSQL skipped locally when `TEST_POSTGRES_URL` is unset).
+macro_rules! on_both {
+    ($($scenario:ident),* $(,)?) => {
+        mod postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $scenario() {
+                    if let Some(app) = crate::common::TestApp::postgres().await {
+                        super::$scenario(&app).await;
+                    }
+                }
+            )*
+        }
+        mod sqlite {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $scenario() {
+                    let app = crate::common::TestApp::sqlite().await;
+                    super::$scenario(&app).await;
+                }
+            )*
+        }
+    };
+}
+
+on_both!(
+    concurrent_identical_posts_execute_once,
+    replay_is_identical_and_marked,
+    changed_payload_is_422,
+    missing_key_on_required_route_is_400,
+    invalid_key_is_400,
+    optional_route_without_key_runs_unprotected,
+    other_user_same_key_executes_separately,
+    server_error_releases_the_key,
+    panic_releases_the_key,
+    client_disconnect_releases_the_key,
+    body_over_limit_is_413_and_nothing_stored,
+    json_content_type_with_bad_json_is_400,
+    handler_without_transaction_is_stored,
+    other_methods_pass_through,
+);
+
+const TRIALS: usize = 100;
+const RACERS: usize = 16;
+
+async fn concurrent_identical_posts_execute_once(app: &TestApp) {
+    let (mut conflicts, mut replays) = (0, 0);
+    for trial in 0..TRIALS {
+        let key = new_key();
+        let sku = format!("race-{trial}-{}", new_key());
+        let body = json!({"sku": sku, "quantity": 1});
+        let answers = join_all((0..RACERS).map(|_| {
+            Answer::of(
+                app.post("/orders", "alice", Some(&key), &body)
+                    .header("x-sleep-ms", "2"),
+            )
+        }))
+        .await;
+        let executed: Vec<&Answer> = answers
+            .iter()
+            .filter(|a| a.status == 201 && !a.replayed())
+            .collect();
+        assert_eq!(executed.len(), 1, "trial {trial}: {answers:?}");
+        let first = executed[0];
+        for answer in &answers {
+            match answer.status {
+                201 if answer.replayed() => {
+                    replays += 1;
+                    assert_eq!(answer.body, first.body, "trial {trial}: replay differs");
+                    assert_eq!(answer.headers["location"], first.headers["location"]);
+                }
+                201 => {}
+                409 => {
+                    conflicts += 1;
+                    answer.assert_problem(409, types::IN_PROGRESS);
+                    let retry_after: u64 = answer.headers["retry-after"]
+                        .to_str()
+                        .unwrap()
+                        .parse()
+                        .unwrap();
+                    assert!(retry_after >= 1);
+                }
+                other => panic!("trial {trial}: unexpected status {other}: {answer:?}"),
+            }
+        }
+        assert_eq!(app.db.orders(&sku).await, 1, "trial {trial}: business rows");
+    }
+    assert_eq!(app.db.keys_in_state("completed").await, TRIALS as i64);
+    eprintln!(
+        "{TRIALS} trials x {RACERS} racers: {} executed, {replays} replays, {conflicts} conflicts",
+        TRIALS
+    );
+}
+
+async fn replay_is_identical_and_marked(app: &TestApp) {
+    let key = new_key();
+    let body = json!({"sku": "tea"});
+    let first = Answer::of(app.post("/orders", "alice", Some(&key), &body)).await;
+    assert_eq!(first.status, 201);
+    assert!(!first.replayed());
+    assert_eq!(first.headers["set-cookie"], "session=secret");
+    // Same JSON, other formatting and member order: the same request.
+    let again = Answer::of(
+        app.client
+            .post(format!("{}/orders", app.url))
+            .header("x-user", "alice")
+            .header("idempotency-key", format!("\"{key}\""))
+            .header("content-type", "application/json; charset=utf-8")
+            .body("{ \"sku\" : \"tea\" }"),
+    )
+    .await;
+    assert_eq!(again.status, 201);
+    assert!(again.replayed());
+    assert_eq!(again.body, first.body);
+    assert_eq!(again.headers["content-type"], first.headers["content-type"]);
+    assert_eq!(again.headers["location"], first.headers["location"]);
+    assert_eq!(again.headers["x-order-id"], first.headers["x-order-id"]);
+    assert!(
+        again.headers.get("set-cookie").is_none(),
+        "cookies are never replayed"
+    );
+    assert!(again.headers.get("x-not-stored").is_none());
+    assert_eq!(app.db.orders("tea").await, 1);
+}
+
+async fn changed_payload_is_422(app: &TestApp) {
+    let key = new_key();
+    let first = Answer::of(app.post("/orders", "alice", Some(&key), &json!({"sku": "a"}))).await;
+    assert_eq!(first.status, 201);
+    let reused = Answer::of(app.post("/orders", "alice", Some(&key), &json!({"sku": "b"}))).await;
+    reused.assert_problem(422, types::KEY_REUSED);
+    // Another path under the same route template is another request too.
+    let key = new_key();
+    let one = Answer::of(app.post("/orders/1", "alice", Some(&key), &json!({"sku": "c"}))).await;
+    assert_eq!(one.status, 201);
+    let two = Answer::of(app.post("/orders/2", "alice", Some(&key), &json!({"sku": "c"}))).await;
+    two.assert_problem(422, types::KEY_REUSED);
+    assert_eq!(app.db.orders("b").await, 0);
+    assert_eq!(app.db.orders("c").await, 1);
+}
+
+async fn missing_key_on_required_route_is_400(app: &TestApp) {
+    let answer = Answer::of(app.post("/orders", "alice", None, &json!({"sku": "nokey"}))).await;
+    answer.assert_problem(400, types::KEY_MISSING);
+    assert_eq!(app.db.orders("nokey").await, 0);
+    assert_eq!(app.db.keys().await, 0);
+}
+
+async fn invalid_key_is_400(app: &TestApp) {
+    for bad in ["\"unterminated", "\"\"", &"k".repeat(256), "\"a\";p=1"] {
+        let answer =
+            Answer::of(app.post("/orders", "alice", Some(bad), &json!({"sku": "bad"}))).await;
+        answer.assert_problem(400, types::KEY_INVALID);
+    }
+    let longest = "k".repeat(255);
+    let answer =
+        Answer::of(app.post("/orders", "alice", Some(&longest), &json!({"sku": "ok"}))).await;
+    assert_eq!(answer.status, 201);
+    assert_eq!(app.db.orders("bad").await, 0);
+    assert_eq!(app.db.keys().await, 1);
+}
+
+async fn optional_route_without_key_runs_unprotected(app: &TestApp) {
+    for _ in 0..2 {
+        let answer =
+            Answer::of(app.post("/optional-orders", "alice", None, &json!({"sku": "free"}))).await;
+        assert_eq!(answer.status, 201);
+        assert!(!answer.replayed());
+    }
+    // Unprotected, but the handler's transaction was committed.
+    assert_eq!(app.db.orders("free").await, 2);
+    assert_eq!(app.db.keys().await, 0);
+    // With a key, the optional route is protected.
+    let key = new_key();
+    let first = Answer::of(app.post(
+        "/optional-orders",
+        "alice",
+        Some(&key),
+        &json!({"sku": "kept"}),
+    ))
+    .await;
+    let second = Answer::of(app.post(
+        "/optional-orders",
+        "alice",
+        Some(&key),
+        &json!({"sku": "kept"}),
+    ))
+    .await;
+    assert!(second.replayed());
+    assert_eq!(second.body, first.body);
+    assert_eq!(app.db.orders("kept").await, 1);
+}
+
+async fn other_user_same_key_executes_separately(app: &TestApp) {
+    let key = new_key();
+    let body = json!({"sku": "shared"});
+    let alice = Answer::of(app.post("/orders", "alice", Some(&key), &body)).await;
+    let bob = Answer::of(app.post("/orders", "bob", Some(&key), &body)).await;
+    assert_eq!((alice.status, bob.status), (201, 201));
+    assert!(!alice.replayed() && !bob.replayed());
+    assert_ne!(alice.body, bob.body);
+    assert_eq!(app.db.orders("shared").await, 2);
+    // No user: 401 problem, nothing run.
+    let anonymous = Answer::of(
+        app.client
+            .post(format!("{}/orders", app.url))
+            .header("idempotency-key", &key)
+            .header("content-type", "application/json")
+            .body(body.to_string()),
+    )
+    .await;
+    anonymous.assert_problem(401, types::SCOPE_MISSING);
+    assert_eq!(app.db.orders("shared").await, 2);
+}
+
+async fn server_error_releases_the_key(app: &TestApp) {
+    let key = new_key();
+    let body = json!({"sku": "flaky"});
+    let failed = Answer::of(
+        app.post("/orders", "alice", Some(&key), &body)
+            .header("x-fail", "500"),
+    )
+    .await;
+    assert_eq!(failed.status, 500);
+    assert_eq!(app.db.keys().await, 0, "the key is released");
+    assert_eq!(
+        app.db.orders("flaky").await,
+        0,
+        "the handler's row is rolled back"
+    );
+    let retry = Answer::of(app.post("/orders", "alice", Some(&key), &body)).await;
+    assert_eq!(retry.status, 201);
+    assert!(!retry.replayed(), "the retry executes");
+    assert_eq!(app.db.orders("flaky").await, 1);
+    let replay = Answer::of(app.post("/orders", "alice", Some(&key), &body)).await;
+    assert!(replay.replayed());
+    assert_eq!(replay.body, retry.body);
+}
+
+async fn panic_releases_the_key(app: &TestApp) {
+    let key = new_key();
+    let body = json!({"sku": "panicky"});
+    // The connection dies with the handler (no catch-panic layer in this app) or answers 500.
+    let outcome = app
+        .post("/orders", "alice", Some(&key), &body)
+        .header("x-fail", "panic")
+        .send()
+        .await;
+    if let Ok(response) = outcome {
+        assert!(response.status().is_server_error());
+    }
+    assert_eq!(app.db.wait_for_keys(0, Duration::from_secs(5)).await, 0);
+    assert_eq!(app.db.orders("panicky").await, 0);
+    let retry = Answer::of(app.post("/orders", "alice", Some(&key), &body)).await;
+    assert_eq!(retry.status, 201);
+    assert!(!retry.replayed());
+    assert_eq!(app.db.orders("panicky").await, 1);
+}
+
+async fn client_disconnect_releases_the_key(app: &TestApp) {
+    let key = new_key();
+    let body = json!({"sku": "impatient"});
+    let slow = app
+        .post("/orders", "alice", Some(&key), &body)
+        .header("x-sleep-ms", "30000")
+        .timeout(Duration::from_millis(1500))
+        .send();
+    let client = tokio::spawn(slow);
+    // The key is reserved while the handler sleeps …
+    assert_eq!(app.db.wait_for_keys(1, Duration::from_secs(5)).await, 1);
+    assert_eq!(app.db.keys_in_state("pending").await, 1);
+    // … the client gives up and closes the connection …
+    assert!(client.await.unwrap().is_err(), "the client timed out");
+    // … and the key is released long before its 60 s lease ends.
+    assert_eq!(app.db.wait_for_keys(0, Duration::from_secs(10)).await, 0);
+    assert_eq!(
+        app.db.orders("impatient").await,
+        0,
+        "the handler's row is rolled back"
+    );
+    let retry = Answer::of(app.post("/orders", "alice", Some(&key), &body)).await;
+    assert_eq!(retry.status, 201, "{retry:?}");
+    assert!(!retry.replayed());
+    assert_eq!(app.db.orders("impatient").await, 1);
+}
+
+async fn body_over_limit_is_413_and_nothing_stored(app: &TestApp) {
+    let key = new_key();
+    let big = json!({"sku": "big", "padding": "x".repeat(2000)});
+    let answer = Answer::of(app.post("/small", "alice", Some(&key), &big)).await;
+    answer.assert_problem(413, types::BODY_TOO_LARGE);
+    assert_eq!(app.db.keys().await, 0);
+    assert_eq!(app.db.orders("big").await, 0);
+    // Just under the limit passes.
+    let fits = json!({"sku": "fits", "padding": "x".repeat(900)});
+    let answer = Answer::of(app.post("/small", "alice", Some(&key), &fits)).await;
+    assert_eq!(answer.status, 201);
+    assert_eq!(app.db.keys().await, 1);
+}
+
+async fn json_content_type_with_bad_json_is_400(app: &TestApp) {
+    let answer = Answer::of(
+        app.client
+            .post(format!("{}/orders", app.url))
+            .header("x-user", "alice")
+            .header("idempotency-key", new_key())
+            .header("content-type", "application/json")
+            .body("{not json"),
+    )
+    .await;
+    answer.assert_problem(400, types::BODY_NOT_JSON);
+    assert_eq!(app.db.keys().await, 0);
+    // A non-JSON content type is fingerprinted as raw bytes.
+    let key = new_key();
+    let text = |body: &'static str| {
+        app.client
+            .post(format!("{}/nonce", app.url))
+            .header("x-user", "alice")
+            .header("idempotency-key", &key)
+            .header("content-type", "text/plain")
+            .body(body)
+    };
+    assert_eq!(Answer::of(text("{not json")).await.status, 200);
+    assert!(Answer::of(text("{not json")).await.replayed());
+    Answer::of(text("{not json "))
+        .await
+        .assert_problem(422, types::KEY_REUSED);
+}
+
+async fn handler_without_transaction_is_stored(app: &TestApp) {
+    let key = new_key();
+    let first = Answer::of(app.post("/nonce", "alice", Some(&key), &json!({}))).await;
+    assert_eq!(first.status, 200);
+    let second = Answer::of(app.post("/nonce", "alice", Some(&key), &json!({}))).await;
+    assert!(second.replayed());
+    assert_eq!(second.body, first.body);
+    assert_eq!(app.db.keys_in_state("completed").await, 1);
+}
+
+async fn other_methods_pass_through(app: &TestApp) {
+    for _ in 0..2 {
+        let answer = Answer::of(app.client.get(format!("{}/orders/7", app.url))).await;
+        assert_eq!(answer.status, 200);
+        assert_eq!(&answer.body[..], b"read");
+    }
+    assert_eq!(app.db.keys().await, 0);
+}
