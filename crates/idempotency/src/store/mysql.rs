@@ -428,3 +428,256 @@ impl Store for MySqlStore {
         Ok(parked == 1)
     }
 }
+
+// --- Maintenance: recovery, purge, listing, resolution, statistics ------------------------------
+
+const EXPIRED_LEASES: &str = concat!(
+    "SELECT ",
+    columns!(),
+    " FROM idempotency_keys k WHERE k.state = 'pending' AND k.lease_until <= UTC_TIMESTAMP(6)
+      ORDER BY k.lease_until, k.scope, k.operation, k.idem_key LIMIT ?"
+);
+
+const LIST: &str = concat!(
+    "SELECT ",
+    columns!(),
+    " FROM idempotency_keys k
+      WHERE (? IS NULL OR k.state = ?)
+        AND (? IS NULL OR k.scope = ?)
+        AND (? IS NULL OR k.operation = ?)
+        AND (? IS NULL OR k.created_at <= UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND)
+      ORDER BY k.created_at, k.scope, k.operation, k.idem_key LIMIT ?"
+);
+
+/// The purge condition, by the server's clock.
+macro_rules! purgeable {
+    () => {
+        "state IN ('completed', 'failed') AND expires_at <= UTC_TIMESTAMP(6)"
+    };
+}
+
+impl MySqlStore {
+    /// Runs a conditional autocommit statement; losing a race inside InnoDB (deadlock victim
+    /// after the retries, lock wait timeout) means another session changed the row first:
+    /// `Ok(false)`.
+    async fn conditional<'q>(
+        &self,
+        query: impl Fn() -> sqlx::query::Query<'q, MySql, sqlx::mysql::MySqlArguments>,
+    ) -> Result<bool, StoreError> {
+        match self.write_retrying(query).await {
+            Ok(done) => Ok(done == 1),
+            Err(StoreError::Database(e)) if lost_race(&e) => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+impl super::Maintenance for MySqlStore {
+    async fn expired_leases(&self, limit: u32) -> Result<Vec<KeyRecord>, StoreError> {
+        sqlx::query(EXPIRED_LEASES)
+            .bind(i64::from(limit))
+            .fetch_all(&self.pool)
+            .await?
+            .iter()
+            .map(record)
+            .collect()
+    }
+
+    async fn claim_for_recovery(
+        &self,
+        key: &IdempotencyKey,
+        stale: LeaseToken,
+        fresh: LeaseToken,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        self.conditional(|| {
+            sqlx::query(
+                "UPDATE idempotency_keys SET
+                    lease_token = ?, lease_until = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND,
+                    updated_at = UTC_TIMESTAMP(6)
+                 WHERE scope = ? AND operation = ? AND idem_key = ?
+                   AND state = 'pending' AND lease_token = ? AND lease_until <= UTC_TIMESTAMP(6)",
+            )
+            .bind(fresh.0.as_bytes().as_slice())
+            .bind(micros(lease))
+            .bind(key.scope().as_bytes())
+            .bind(key.operation().as_bytes())
+            .bind(key.key().as_bytes())
+            .bind(stale.0.as_bytes().as_slice())
+        })
+        .await
+    }
+
+    async fn complete_recovered(
+        &self,
+        key: &IdempotencyKey,
+        token: LeaseToken,
+        result: &[u8],
+        reason: &str,
+        retention: Duration,
+    ) -> Result<bool, StoreError> {
+        self.conditional(|| {
+            sqlx::query(
+                "UPDATE idempotency_keys SET
+                    state = 'completed', result = ?, reason = ?, updated_at = UTC_TIMESTAMP(6),
+                    expires_at = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND
+                 WHERE scope = ? AND operation = ? AND idem_key = ?
+                   AND state = 'pending' AND lease_token = ?",
+            )
+            .bind(result)
+            .bind(reason)
+            .bind(micros(retention))
+            .bind(key.scope().as_bytes())
+            .bind(key.operation().as_bytes())
+            .bind(key.key().as_bytes())
+            .bind(token.0.as_bytes().as_slice())
+        })
+        .await
+    }
+
+    async fn note_unknown(
+        &self,
+        key: &IdempotencyKey,
+        token: LeaseToken,
+        retry_after: Duration,
+    ) -> Result<bool, StoreError> {
+        self.conditional(|| {
+            sqlx::query(
+                "UPDATE idempotency_keys SET
+                    recovery_attempts = recovery_attempts + 1,
+                    lease_until = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND,
+                    updated_at = UTC_TIMESTAMP(6)
+                 WHERE scope = ? AND operation = ? AND idem_key = ?
+                   AND state = 'pending' AND lease_token = ?",
+            )
+            .bind(micros(retry_after))
+            .bind(key.scope().as_bytes())
+            .bind(key.operation().as_bytes())
+            .bind(key.key().as_bytes())
+            .bind(token.0.as_bytes().as_slice())
+        })
+        .await
+    }
+
+    async fn purge_batch(&self, batch: u32) -> Result<u64, StoreError> {
+        // One bounded statement walking the expires_at index. MySQL cannot SKIP LOCKED in a
+        // DELETE (only in SELECT … FOR UPDATE): a row another session holds is waited for, and a
+        // deadlock victim is retried; the condition is re-checked on the latest row version.
+        let done = self
+            .write_retrying(|| {
+                sqlx::query(concat!(
+                    "DELETE FROM idempotency_keys WHERE ",
+                    purgeable!(),
+                    " ORDER BY expires_at LIMIT ?"
+                ))
+                .bind(i64::from(batch))
+            })
+            .await;
+        match done {
+            Ok(deleted) => Ok(deleted),
+            Err(StoreError::Database(e)) if lost_race(&e) => Ok(0),
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn count_purgeable(&self) -> Result<u64, StoreError> {
+        let count: i64 = sqlx::query_scalar(concat!(
+            "SELECT count(*) FROM idempotency_keys WHERE ",
+            purgeable!()
+        ))
+        .fetch_one(&self.pool)
+        .await?;
+        Ok(count.max(0) as u64)
+    }
+
+    async fn list(&self, filter: &super::KeyFilter) -> Result<Vec<KeyRecord>, StoreError> {
+        let state = filter.state.map(|s| s.as_str());
+        let scope = filter.scope.as_deref().map(str::as_bytes);
+        let operation = filter.operation.as_deref().map(str::as_bytes);
+        let older_than = filter.older_than.map(micros);
+        sqlx::query(LIST)
+            .bind(state)
+            .bind(state)
+            .bind(scope)
+            .bind(scope)
+            .bind(operation)
+            .bind(operation)
+            .bind(older_than)
+            .bind(older_than)
+            .bind(i64::from(filter.limit))
+            .fetch_all(&self.pool)
+            .await?
+            .iter()
+            .map(record)
+            .collect()
+    }
+
+    async fn resolve(
+        &self,
+        key: &IdempotencyKey,
+        resolution: &super::Resolution,
+        reason: &str,
+        retention: Duration,
+    ) -> Result<bool, StoreError> {
+        let result = match resolution {
+            super::Resolution::Completed(bytes) => Some(bytes.as_slice()),
+            super::Resolution::Failed => None,
+        };
+        self.conditional(|| {
+            sqlx::query(
+                "UPDATE idempotency_keys SET
+                    state = ?, result = ?, reason = ?, updated_at = UTC_TIMESTAMP(6),
+                    expires_at = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND
+                 WHERE scope = ? AND operation = ? AND idem_key = ?
+                   AND state = 'needs_review'",
+            )
+            .bind(resolution.state().as_str())
+            .bind(result)
+            .bind(reason)
+            .bind(micros(retention))
+            .bind(key.scope().as_bytes())
+            .bind(key.operation().as_bytes())
+            .bind(key.key().as_bytes())
+        })
+        .await
+    }
+
+    async fn stats(&self) -> Result<super::KeyStats, StoreError> {
+        let rows = sqlx::query(
+            "SELECT operation, state, count(*) AS n FROM idempotency_keys
+             GROUP BY operation, state ORDER BY operation, state",
+        )
+        .fetch_all(&self.pool)
+        .await?;
+        let counts = rows
+            .iter()
+            .map(|row| {
+                Ok(super::StateCount {
+                    operation: text(row, "operation")?,
+                    state: text(row, "state")?.parse()?,
+                    count: row.try_get::<i64, _>("n")?.max(0) as u64,
+                })
+            })
+            .collect::<Result<Vec<_>, StoreError>>()?;
+        let summary = sqlx::query(concat!(
+            "SELECT
+                (SELECT CAST(CEIL(TIMESTAMPDIFF(MICROSECOND, MIN(created_at), UTC_TIMESTAMP(6)) / 1000) AS SIGNED)
+                   FROM idempotency_keys WHERE state = 'pending') AS oldest_pending_ms,
+                (SELECT count(*) FROM idempotency_keys
+                  WHERE state = 'pending' AND lease_until <= UTC_TIMESTAMP(6)) AS expired_leases,
+                (SELECT count(*) FROM idempotency_keys WHERE ",
+            purgeable!(),
+            ") AS purgeable"
+        ))
+        .fetch_one(&self.pool)
+        .await?;
+        Ok(super::KeyStats {
+            counts,
+            oldest_pending_age: summary
+                .try_get::<Option<i64>, _>("oldest_pending_ms")?
+                .map(|ms| Duration::from_millis(ms.max(0) as u64)),
+            expired_leases: summary.try_get::<i64, _>("expired_leases")?.max(0) as u64,
+            purgeable: summary.try_get::<i64, _>("purgeable")?.max(0) as u64,
+        })
+    }
+}
