@@ -464,6 +464,25 @@ fn refuse(rejection: IdempotencyRejection) -> Response<Body> {
 mod tests {
     use super::*;
 
+    #[tokio::test]
+    async fn body_limit_holds_without_content_length() {
+        let headers = HeaderMap::new();
+        let body = http_body_util::Full::new(Bytes::from(vec![b'x'; 2000]));
+        assert!(matches!(
+            read_body(body, &headers, 1999).await,
+            Err(IdempotencyRejection::BodyTooLarge { limit: 1999 })
+        ));
+        let body = http_body_util::Full::new(Bytes::from(vec![b'x'; 2000]));
+        assert_eq!(read_body(body, &headers, 2000).await.unwrap().len(), 2000);
+        let mut lying = HeaderMap::new();
+        lying.insert(header::CONTENT_LENGTH, HeaderValue::from_static("5000"));
+        let body = http_body_util::Full::new(Bytes::from_static(b"small"));
+        assert!(matches!(
+            read_body(body, &lying, 2000).await,
+            Err(IdempotencyRejection::BodyTooLarge { .. })
+        ));
+    }
+
     #[test]
     fn recognises_json_content_types() {
         let mut headers = HeaderMap::new();

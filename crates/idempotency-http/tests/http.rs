@@ -48,6 +48,7 @@ on_both!(
     json_content_type_with_bad_json_is_400,
     handler_without_transaction_is_stored,
     other_methods_pass_through,
+    lost_lease_rolls_back_the_handlers_rows,
 );
 
 const TRIALS: usize = 100;
@@ -354,4 +355,85 @@ async fn other_methods_pass_through(app: &TestApp) {
         assert_eq!(&answer.body[..], b"read");
     }
     assert_eq!(app.db.keys().await, 0);
+}
+
+/// The same-transaction claim: a handler whose lease was taken over while it ran has its rows
+/// rolled back with the failed completion. Were the key completed in a transaction of its own,
+/// its order would stay and there would be two.
+async fn lost_lease_rolls_back_the_handlers_rows(app: &TestApp) {
+    let key = new_key();
+    let body = json!({"sku": "overtaken"});
+    let slow = Answer::of(
+        app.post("/short-lease", "alice", Some(&key), &body)
+            .header("x-delay-before-tx-ms", "900"),
+    );
+    let fast = async {
+        // Past the 300 ms lease of the slow request, well before it wakes.
+        tokio::time::sleep(common::SHORT_LEASE + Duration::from_millis(200)).await;
+        Answer::of(app.post("/short-lease", "alice", Some(&key), &body)).await
+    };
+    let (slow, fast) = tokio::join!(slow, fast);
+    assert_eq!(fast.status, 201, "{fast:?}");
+    assert!(!fast.replayed(), "the expired lease was taken over");
+    slow.assert_problem(409, types::LEASE_LOST);
+    assert_eq!(
+        app.db.orders("overtaken").await,
+        1,
+        "the slow handler's row was rolled back"
+    );
+    let replay = Answer::of(app.post("/short-lease", "alice", Some(&key), &body)).await;
+    assert!(replay.replayed());
+    assert_eq!(replay.body, fast.body);
+}
+
+/// The store is down (nothing listens on the port): 503, and the handler never runs.
+#[tokio::test]
+async fn store_down_is_503_and_the_handler_is_not_run() {
+    use std::sync::{
+        atomic::{AtomicUsize, Ordering},
+        Arc,
+    };
+    let port = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.local_addr().unwrap().port()
+    };
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .acquire_timeout(Duration::from_millis(500))
+        .connect_lazy(&format!("postgres://idem:idem@127.0.0.1:{port}/idem"))
+        .unwrap();
+    let store = idempotency::store::postgres::PgStore::new(pool);
+    let runs = Arc::new(AtomicUsize::new(0));
+    let counter = runs.clone();
+    let router = axum::Router::new()
+        .route(
+            "/orders",
+            axum::routing::post(move || {
+                let counter = counter.clone();
+                async move {
+                    counter.fetch_add(1, Ordering::SeqCst);
+                    "ran"
+                }
+            }),
+        )
+        .route_layer(common::layer(store));
+    let url = common::serve(router).await;
+    let client = reqwest::Client::new();
+    for _ in 0..3 {
+        let answer = Answer::of(
+            client
+                .post(format!("{url}/orders"))
+                .header("x-user", "alice")
+                .header("idempotency-key", new_key())
+                .header("content-type", "application/json")
+                .body("{}"),
+        )
+        .await;
+        answer.assert_problem(503, types::STORE_UNAVAILABLE);
+        assert!(answer.headers.contains_key("retry-after"));
+    }
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        0,
+        "the handler never ran unprotected"
+    );
 }

@@ -62,11 +62,30 @@ fn header<'h>(headers: &'h HeaderMap, name: &str) -> Option<&'h str> {
     headers.get(name).and_then(|v| v.to_str().ok())
 }
 
+/// Sleeps for `x-delay-before-tx-ms` before the next extractor (the transaction) runs.
+pub struct DelayBeforeTx;
+
+impl<AppState: Send + Sync> axum::extract::FromRequestParts<AppState> for DelayBeforeTx {
+    type Rejection = std::convert::Infallible;
+    async fn from_request_parts(
+        parts: &mut http::request::Parts,
+        _: &AppState,
+    ) -> Result<Self, Self::Rejection> {
+        if let Some(ms) =
+            header(&parts.headers, "x-delay-before-tx-ms").and_then(|v| v.parse().ok())
+        {
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+        }
+        Ok(DelayBeforeTx)
+    }
+}
+
 /// Writes an order through the layer's transaction, then (per request headers, which are not in
 /// the fingerprint) sleeps, fails with 500 or panics. The response carries a random nonce, so a
 /// replay is told from a second execution by its bytes.
 async fn create_order<DB: Backend>(
     headers: HeaderMap,
+    _delay: DelayBeforeTx,
     mut tx: IdempotentTx<DB>,
     body: Bytes,
 ) -> Response {
@@ -112,8 +131,11 @@ pub fn layer<S: Store>(store: S) -> IdempotencyLayer<S> {
         .stored_headers([http::HeaderName::from_static("x-order-id")])
 }
 
+/// The lease of `/short-lease`.
+pub const SHORT_LEASE: Duration = Duration::from_millis(300);
+
 /// The test app: `/orders` (required key), `/optional-orders` (optional key), `/small` (1 KiB
-/// limit), `/nonce` (no transaction), `/orders/{id}` GET passes through.
+/// limit), `/short-lease` (300 ms lease), `/nonce` (no transaction), `/orders/{id}` GET passes through.
 pub fn app<S: Store>(store: S) -> Router
 where
     S::Database: Backend,
@@ -131,8 +153,11 @@ where
         .route_layer(layer(store.clone()).key_requirement(KeyRequirement::Optional));
     let small = Router::new()
         .route("/small", post(create_order::<S::Database>))
-        .route_layer(layer(store).body_limit(1024));
-    orders.merge(optional).merge(small)
+        .route_layer(layer(store.clone()).body_limit(1024));
+    let short_lease = Router::new()
+        .route("/short-lease", post(create_order::<S::Database>))
+        .route_layer(layer(store).with_lease(SHORT_LEASE));
+    orders.merge(optional).merge(small).merge(short_lease)
 }
 
 /// Serves `router` on a random loopback port; returns its base URL.
