@@ -1,5 +1,4 @@
-//! Recovery of abandoned keys and operator resolution, on PostgreSQL and SQLite (MySQL joins the
-//! list once `MySqlStore` implements `Maintenance`).
+//! Recovery of abandoned keys and operator resolution, on PostgreSQL and SQLite and MySQL/MariaDB.
 
 mod common;
 
@@ -37,6 +36,16 @@ macro_rules! maintenance_tests {
                 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
                 async fn $test() {
                     if let Some(store) = <idempotency::store::sqlite::SqliteStore as $crate::common::Harness>::open().await {
+                        super::$test(store).await;
+                    }
+                }
+            )*
+        }
+        mod mysql {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $test() {
+                    if let Some(store) = <idempotency::store::mysql::MySqlStore as $crate::common::Harness>::open().await {
                         super::$test(store).await;
                     }
                 }

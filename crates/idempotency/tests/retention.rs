@@ -1,4 +1,4 @@
-//! Retention purge on PostgreSQL and SQLite: only expired completed/failed rows, in batches,
+//! Retention purge on PostgreSQL, SQLite and MySQL/MariaDB: only expired completed/failed rows, in batches,
 //! from several instances at once, and without disturbing concurrent writers.
 
 mod common;
@@ -6,7 +6,7 @@ mod common;
 use common::{attempt, purchase, unique, Harness};
 use idempotency::{
     retention::Purge,
-    store::{postgres::PgStore, sqlite::SqliteStore, Maintenance},
+    store::{mysql::MySqlStore, postgres::PgStore, sqlite::SqliteStore, Maintenance},
     Idempotency, KeyState, Outcome,
 };
 use serde_json::json;
@@ -36,6 +36,16 @@ macro_rules! maintenance_tests {
                 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
                 async fn $test() {
                     if let Some(store) = <idempotency::store::sqlite::SqliteStore as $crate::common::Harness>::open().await {
+                        super::$test(store).await;
+                    }
+                }
+            )*
+        }
+        mod mysql {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $test() {
+                    if let Some(store) = <idempotency::store::mysql::MySqlStore as $crate::common::Harness>::open().await {
                         super::$test(store).await;
                     }
                 }
@@ -95,6 +105,47 @@ impl Bulk for SqliteStore {
              SELECT ?1, 'bulk', 'k' || i, ?2, 'local', zeroblob(32), randomblob(16),
                     ms - 3600000, X'7B7D', ms - 7200000, ms - 7200000, ms + ?3
              FROM n, clock",
+        )
+        .bind(scope)
+        .bind(state.as_str())
+        .bind(expires_in_ms)
+        .bind(n)
+        .execute(self.pool())
+        .await
+        .expect("bulk insert");
+    }
+}
+
+impl Bulk for MySqlStore {
+    async fn bulk(&self, scope: &str, state: KeyState, n: i64, expires_in_ms: i64) {
+        // Numbers 0..n from a cross join of digits: no recursion limits on MySQL or MariaDB.
+        sqlx::query(
+            "INSERT INTO idempotency_keys
+                (scope, operation, idem_key, state, effects, fingerprint, lease_token, lease_until,
+                 result, created_at, updated_at, expires_at)
+             SELECT ?, 'bulk', CONCAT('k', i), ?, 'local', UNHEX(SHA2(i, 256)),
+                    UNHEX(REPLACE(UUID(), '-', '')),
+                    UTC_TIMESTAMP(6) - INTERVAL 1 HOUR, '{}', UTC_TIMESTAMP(6) - INTERVAL 2 HOUR,
+                    UTC_TIMESTAMP(6) - INTERVAL 2 HOUR,
+                    UTC_TIMESTAMP(6) + INTERVAL ? * 1000 MICROSECOND
+             FROM (SELECT a.d + 10 * b.d + 100 * c.d + 1000 * e.d + 10000 * f.d + 100000 * g.d AS i
+                   FROM (SELECT 0 AS d UNION ALL SELECT 1 UNION ALL SELECT 2 UNION ALL SELECT 3
+                         UNION ALL SELECT 4 UNION ALL SELECT 5 UNION ALL SELECT 6 UNION ALL SELECT 7
+                         UNION ALL SELECT 8 UNION ALL SELECT 9) a,
+                        (SELECT 0 AS d UNION ALL SELECT 1 UNION ALL SELECT 2 UNION ALL SELECT 3
+                         UNION ALL SELECT 4 UNION ALL SELECT 5 UNION ALL SELECT 6 UNION ALL SELECT 7
+                         UNION ALL SELECT 8 UNION ALL SELECT 9) b,
+                        (SELECT 0 AS d UNION ALL SELECT 1 UNION ALL SELECT 2 UNION ALL SELECT 3
+                         UNION ALL SELECT 4 UNION ALL SELECT 5 UNION ALL SELECT 6 UNION ALL SELECT 7
+                         UNION ALL SELECT 8 UNION ALL SELECT 9) c,
+                        (SELECT 0 AS d UNION ALL SELECT 1 UNION ALL SELECT 2 UNION ALL SELECT 3
+                         UNION ALL SELECT 4 UNION ALL SELECT 5 UNION ALL SELECT 6 UNION ALL SELECT 7
+                         UNION ALL SELECT 8 UNION ALL SELECT 9) e,
+                        (SELECT 0 AS d UNION ALL SELECT 1 UNION ALL SELECT 2 UNION ALL SELECT 3
+                         UNION ALL SELECT 4 UNION ALL SELECT 5 UNION ALL SELECT 6 UNION ALL SELECT 7
+                         UNION ALL SELECT 8 UNION ALL SELECT 9) f,
+                        (SELECT 0 AS d UNION ALL SELECT 1) g) numbers
+             WHERE i < ?",
         )
         .bind(scope)
         .bind(state.as_str())
