@@ -210,7 +210,7 @@ pub trait Maintenance: Store {
     ) -> impl Future<Output = Result<bool, StoreError>> + Send;
 
     /// Deletes at most `batch` rows with `state IN ('completed', 'failed') AND expires_at <=
-    /// now()`, oldest expiry first, in one statement (skipping rows locked by other sessions where
+    /// now()`, in no promised order, in one statement (skipping rows locked by other sessions where
     /// the database can), and returns how many it deleted. Never touches `pending` or
     /// `needs_review` rows. Call it until it returns 0 to purge everything.
     fn purge_batch(&self, batch: u32) -> impl Future<Output = Result<u64, StoreError>> + Send;

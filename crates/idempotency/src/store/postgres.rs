@@ -425,21 +425,22 @@ impl super::Maintenance for PgStore {
     }
 
     async fn purge_batch(&self, batch: u32) -> Result<u64, StoreError> {
-        // The CTE is evaluated once: it locks at most `batch` expired rows, skipping rows other
-        // sessions hold (a concurrent purge or take-over), re-checking its condition on the
-        // latest row version; the DELETE then removes exactly those rows by primary key. (An
-        // `IN (SELECT … LIMIT n FOR UPDATE SKIP LOCKED)` may be rescanned by the planner and
-        // delete more than `n` rows.)
+        // `= ANY (ARRAY(…))` runs the inner SELECT once (an InitPlan): it locks at most `batch`
+        // expired rows, skipping rows other sessions hold (a concurrent purge or take-over) and
+        // re-checking its condition on the latest row version; the DELETE then fetches exactly
+        // those rows by ctid (a TID scan) and checks the condition again. Locked rows cannot move
+        // within the statement. Not chosen: `IN (SELECT … LIMIT n FOR UPDATE SKIP LOCKED)` may be
+        // rescanned and delete more than `n` rows; a join on a CTE was planned as a hash join over
+        // the whole table; an ORDER BY sorts every expired row when the planner picks a bitmap
+        // scan (as it does before the table is analysed). Each is O(table) per batch.
         let done = sqlx::query(
-            "WITH batch AS MATERIALIZED (
-                 SELECT scope, operation, idem_key FROM idempotency_keys
+            "DELETE FROM idempotency_keys
+             WHERE ctid = ANY (ARRAY(
+                 SELECT ctid FROM idempotency_keys
                  WHERE state IN ('completed', 'failed') AND expires_at <= now()
-                 ORDER BY expires_at
                  LIMIT $1
-                 FOR UPDATE SKIP LOCKED)
-             DELETE FROM idempotency_keys k USING batch b
-             WHERE k.scope = b.scope AND k.operation = b.operation AND k.idem_key = b.idem_key
-               AND k.state IN ('completed', 'failed') AND k.expires_at <= now()",
+                 FOR UPDATE SKIP LOCKED))
+               AND state IN ('completed', 'failed') AND expires_at <= now()",
         )
         .bind(i64::from(batch))
         .execute(&self.pool)
