@@ -1,9 +1,9 @@
-//! The real `idem` binary against real databases (SQLite always; PostgreSQL from
-//! `TEST_POSTGRES_URL`), checking output and exit codes.
+//! The real `idem` binary against real databases (SQLite always; PostgreSQL and MySQL/MariaDB
+//! from `TEST_POSTGRES_URL` and `TEST_MYSQL_URL`), checking output and exit codes.
 
 use assert_cmd::Command;
 use idempotency::{
-    store::{postgres::PgStore, sqlite::SqliteStore, Store},
+    store::{mysql::MySqlStore, postgres::PgStore, sqlite::SqliteStore, Store},
     Attempt, Effects, Fingerprint, Idempotency, IdempotencyKey, Reservation,
 };
 use predicates::prelude::*;
@@ -21,6 +21,7 @@ struct Db {
 enum AnyStore {
     Postgres(PgStore),
     Sqlite(SqliteStore),
+    MySql(MySqlStore),
 }
 
 impl Db {
@@ -28,6 +29,7 @@ impl Db {
         match self.store {
             AnyStore::Postgres(_) => "postgres",
             AnyStore::Sqlite(_) => "sqlite",
+            AnyStore::MySql(_) => "mysql",
         }
     }
 
@@ -59,6 +61,7 @@ impl Db {
         match &self.store {
             AnyStore::Postgres(s) => run(s, &attempt).await,
             AnyStore::Sqlite(s) => run(s, &attempt).await,
+            AnyStore::MySql(s) => run(s, &attempt).await,
         }
     }
 
@@ -68,6 +71,7 @@ impl Db {
         match &self.store {
             AnyStore::Postgres(s) => abandon(s, &attempt).await,
             AnyStore::Sqlite(s) => abandon(s, &attempt).await,
+            AnyStore::MySql(s) => abandon(s, &attempt).await,
         }
     }
 
@@ -98,6 +102,36 @@ impl Db {
                  SELECT ?1, 'bulk', 'k' || i, 'completed', 'local', zeroblob(32), randomblob(16),
                         ms, X'7B7D', ms, ms, ms + ?2
                  FROM n, clock",
+            )
+            .bind(scope)
+            .bind(expires_in_ms)
+            .bind(n)
+            .execute(s.pool())
+            .await
+            .map(drop),
+            // Numbers 1..=n from a cross join of digits (n < 10,000).
+            AnyStore::MySql(s) => sqlx::query(
+                "INSERT INTO idempotency_keys
+                    (scope, operation, idem_key, state, effects, fingerprint, lease_token,
+                     lease_until, result, created_at, updated_at, expires_at)
+                 SELECT ?, 'bulk', CONCAT('k', i), 'completed', 'local', UNHEX(SHA2(i, 256)),
+                        UNHEX(REPLACE(UUID(), '-', '')), UTC_TIMESTAMP(6), '{}',
+                        UTC_TIMESTAMP(6), UTC_TIMESTAMP(6),
+                        UTC_TIMESTAMP(6) + INTERVAL ? * 1000 MICROSECOND
+                 FROM (SELECT 1 + a.d + 10 * b.d + 100 * c.d + 1000 * e.d AS i
+                       FROM (SELECT 0 AS d UNION ALL SELECT 1 UNION ALL SELECT 2 UNION ALL SELECT 3
+                             UNION ALL SELECT 4 UNION ALL SELECT 5 UNION ALL SELECT 6
+                             UNION ALL SELECT 7 UNION ALL SELECT 8 UNION ALL SELECT 9) a,
+                            (SELECT 0 AS d UNION ALL SELECT 1 UNION ALL SELECT 2 UNION ALL SELECT 3
+                             UNION ALL SELECT 4 UNION ALL SELECT 5 UNION ALL SELECT 6
+                             UNION ALL SELECT 7 UNION ALL SELECT 8 UNION ALL SELECT 9) b,
+                            (SELECT 0 AS d UNION ALL SELECT 1 UNION ALL SELECT 2 UNION ALL SELECT 3
+                             UNION ALL SELECT 4 UNION ALL SELECT 5 UNION ALL SELECT 6
+                             UNION ALL SELECT 7 UNION ALL SELECT 8 UNION ALL SELECT 9) c,
+                            (SELECT 0 AS d UNION ALL SELECT 1 UNION ALL SELECT 2 UNION ALL SELECT 3
+                             UNION ALL SELECT 4 UNION ALL SELECT 5 UNION ALL SELECT 6
+                             UNION ALL SELECT 7 UNION ALL SELECT 8 UNION ALL SELECT 9) e) numbers
+                 WHERE i <= ?",
             )
             .bind(scope)
             .bind(expires_in_ms)
@@ -163,6 +197,19 @@ async fn databases() -> Vec<Db> {
         dbs.push(Db {
             url,
             store: AnyStore::Postgres(store),
+            _file: None,
+        });
+    }
+    if let Some(url) = test_support::fresh_mysql_url().await {
+        Command::cargo_bin("idem")
+            .unwrap()
+            .args(["--database-url", &url, "migrate"])
+            .assert()
+            .success();
+        let store = MySqlStore::connect(&url).await.unwrap();
+        dbs.push(Db {
+            url,
+            store: AnyStore::MySql(store),
             _file: None,
         });
     }
