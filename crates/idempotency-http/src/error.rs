@@ -67,6 +67,14 @@ pub enum IdempotencyRejection {
 
 impl IdempotencyRejection {
     /// The problem document for this rejection.
+    ///
+    /// ```
+    /// # use idempotency_http::IdempotencyRejection;
+    /// # use std::time::Duration;
+    /// let p = IdempotencyRejection::InProgress { retry_after: Duration::from_millis(300) }.to_problem();
+    /// assert_eq!(p.status, 409);
+    /// assert_eq!(p.retry_after, Some(Duration::from_millis(300)));
+    /// ```
     pub fn to_problem(&self) -> Problem {
         use IdempotencyRejection::*;
         let (status, type_uri, title) = match self {
@@ -140,6 +148,12 @@ impl IdempotencyRejection {
     }
 
     /// The `outcome` label counted in `idempotency_requests_total` for this rejection.
+    ///
+    /// ```
+    /// # use idempotency_http::IdempotencyRejection;
+    /// assert_eq!(IdempotencyRejection::KeyReused.outcome(), "reused");
+    /// assert_eq!(IdempotencyRejection::KeyMissing.outcome(), "rejected");
+    /// ```
     pub fn outcome(&self) -> &'static str {
         use IdempotencyRejection::*;
         match self {
@@ -152,6 +166,14 @@ impl IdempotencyRejection {
     }
 
     /// Classifies an engine error: an outage or contention is 503, other store failures 500.
+    ///
+    /// ```
+    /// # use idempotency_http::IdempotencyRejection;
+    /// let outage = idempotency::Error::Store(sqlx::Error::PoolTimedOut.into());
+    /// assert_eq!(IdempotencyRejection::from_engine(outage).to_problem().status, 503);
+    /// let corrupt = idempotency::Error::Store(idempotency::StoreError::Corrupt("x".into()));
+    /// assert_eq!(IdempotencyRejection::from_engine(corrupt).to_problem().status, 500);
+    /// ```
     pub fn from_engine(error: idempotency::Error) -> Self {
         use idempotency::Error;
         match error {

@@ -11,14 +11,26 @@ use http::{HeaderMap, HeaderName, HeaderValue};
 use idempotency::key::MAX_PART_LEN;
 
 /// `Idempotency-Key`, the request header read by the layer.
+///
+/// ```
+/// assert_eq!(idempotency_http::header::IDEMPOTENCY_KEY, "idempotency-key");
+/// ```
 pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
 
 /// `Idempotent-Replayed: true`, added to replayed responses.
+///
+/// ```
+/// assert_eq!(idempotency_http::header::IDEMPOTENT_REPLAYED, "idempotent-replayed");
+/// ```
 pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
 
 /// `Idempotency-Key-Retention: <seconds>`, optionally added to protected responses: how long after
 /// completion the key and its response are remembered (see
 /// [`IdempotencyLayer::expiry_header`](crate::IdempotencyLayer::expiry_header)).
+///
+/// ```
+/// assert_eq!(idempotency_http::header::IDEMPOTENCY_KEY_RETENTION, "idempotency-key-retention");
+/// ```
 pub const IDEMPOTENCY_KEY_RETENTION: HeaderName =
     HeaderName::from_static("idempotency-key-retention");
 

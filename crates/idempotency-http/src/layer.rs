@@ -6,6 +6,10 @@ use idempotency::{Effects, Idempotency, Store};
 use std::{fmt, sync::Arc, time::Duration};
 
 /// Default largest request body read for fingerprinting: 1 MiB.
+///
+/// ```
+/// assert_eq!(idempotency_http::DEFAULT_BODY_LIMIT, 1 << 20);
+/// ```
 pub const DEFAULT_BODY_LIMIT: usize = 1024 * 1024;
 
 /// Whether a protected route needs an `Idempotency-Key`.
@@ -362,16 +366,35 @@ impl<S: Store> IdempotencyLayer<S> {
     }
 
     /// The engine: store, lease and retention.
+    ///
+    /// ```no_run
+    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::store::sqlite::SqliteStore>) {
+    /// let store = layer.idempotency().store(); // the pool, for the application's own queries
+    /// let _ = store.pool();
+    /// # }
+    /// ```
     pub fn idempotency(&self) -> &Idempotency<S> {
         &self.settings.idempotency
     }
 
     /// How long a handler may run before its key may be taken over (local effects).
+    ///
+    /// ```no_run
+    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::store::sqlite::SqliteStore>) {
+    /// assert_eq!(layer.lease().as_secs(), 60); // the engine's default
+    /// # }
+    /// ```
     pub fn lease(&self) -> Duration {
         self.settings.idempotency.lease()
     }
 
     /// How long a completed key and its stored response are kept.
+    ///
+    /// ```no_run
+    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::store::sqlite::SqliteStore>) {
+    /// assert_eq!(layer.retention().as_secs(), 24 * 3600); // the engine's default
+    /// # }
+    /// ```
     pub fn retention(&self) -> Duration {
         self.settings.idempotency.retention()
     }

@@ -15,6 +15,10 @@
 //! | `unprotected` | optional key absent: the handler ran without protection |
 
 /// The counter's name.
+///
+/// ```
+/// assert_eq!(idempotency_http::metrics::REQUESTS_TOTAL, "idempotency_requests_total");
+/// ```
 pub const REQUESTS_TOTAL: &str = "idempotency_requests_total";
 /// See the module table.
 pub const EXECUTED: &str = "executed";

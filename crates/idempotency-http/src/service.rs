@@ -34,7 +34,39 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// The middleware made by [`IdempotencyLayer`](crate::IdempotencyLayer); see there.
 ///
 /// It accepts any request body and hands the inner service a `Request<axum::body::Body>` (the
-/// body is read once for the fingerprint, then replayed to the handler).
+/// body is read once for the fingerprint, then replayed to the handler), so it wraps plain tower
+/// services as well as axum routes:
+///
+/// ```
+/// use axum::body::Body;
+/// use http::{Request, Response};
+/// use idempotency::{store::{sqlite::SqliteStore, Store}, Idempotency};
+/// use idempotency_http::{IdempotencyLayer, MissingScope};
+/// use std::sync::{atomic::{AtomicUsize, Ordering}, Arc};
+/// use tower::{Layer, ServiceExt};
+///
+/// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+/// let dir = tempfile::tempdir().unwrap();
+/// let store = SqliteStore::connect(&format!("sqlite://{}/keys.db", dir.path().display())).await.unwrap();
+/// store.migrate().await.unwrap();
+/// let runs = Arc::new(AtomicUsize::new(0));
+/// let counter = runs.clone();
+/// let handler = tower::service_fn(move |_: Request<Body>| {
+///     let n = counter.fetch_add(1, Ordering::SeqCst) + 1;
+///     async move { Ok::<_, std::convert::Infallible>(Response::new(Body::from(format!("run {n}")))) }
+/// });
+/// let service = IdempotencyLayer::new(Idempotency::new(store))
+///     .missing_scope(MissingScope::Fixed("everyone".into()))
+///     .layer(handler);
+/// for _ in 0..3 {
+///     let request = Request::post("/jobs").header("idempotency-key", "job-1").body(Body::from("x")).unwrap();
+///     let response = service.clone().oneshot(request).await.unwrap();
+///     let body = http_body_util::BodyExt::collect(response.into_body()).await.unwrap().to_bytes();
+///     assert_eq!(&body[..], b"run 1");
+/// }
+/// assert_eq!(runs.load(Ordering::SeqCst), 1);
+/// # });
+/// ```
 pub struct IdempotencyService<S, Inner> {
     settings: Arc<Settings<S>>,
     inner: Inner,
@@ -63,7 +95,9 @@ impl<S, Inner> IdempotencyService<S, Inner> {
     }
 }
 
-/// The response future of [`IdempotencyService`].
+/// The response future of [`IdempotencyService`]: the whole protocol of one request (see the
+/// example on [`IdempotencyService`]). Dropping it before it completes (the client went away)
+/// rolls back the handler's transaction and releases the key.
 pub struct ResponseFuture<E> {
     inner: BoxFuture<'static, Result<Response<Body>, E>>,
 }

@@ -8,6 +8,10 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 /// Headers that are never stored, whatever the configuration: cookies and credentials belong to
 /// one response, not to every replay.
+///
+/// ```
+/// assert!(idempotency_http::stored::NEVER_STORED.contains(&http::header::SET_COOKIE));
+/// ```
 pub const NEVER_STORED: [HeaderName; 7] = [
     header::SET_COOKIE,
     header::COOKIE,
@@ -19,6 +23,10 @@ pub const NEVER_STORED: [HeaderName; 7] = [
 ];
 
 /// Headers always stored when present.
+///
+/// ```
+/// assert!(idempotency_http::stored::ALWAYS_STORED.contains(&http::header::LOCATION));
+/// ```
 pub const ALWAYS_STORED: [HeaderName; 2] = [header::CONTENT_TYPE, header::LOCATION];
 
 /// The stored form of a response: what a replay sends back.
@@ -103,11 +111,24 @@ impl StoredResponse {
     }
 
     /// The JSON bytes kept in the store.
+    ///
+    /// ```
+    /// # use idempotency_http::StoredResponse;
+    /// let bytes = StoredResponse { status: 200, headers: vec![], body: b"hi".to_vec() }.to_bytes();
+    /// assert_eq!(bytes, br#"{"status":200,"headers":[],"body":"aGk="}"#);
+    /// ```
     pub fn to_bytes(&self) -> Vec<u8> {
         serde_json::to_vec(self).expect("a StoredResponse always serialises")
     }
 
     /// Reads back the bytes of [`to_bytes`](Self::to_bytes).
+    ///
+    /// ```
+    /// # use idempotency_http::StoredResponse;
+    /// let stored = StoredResponse::from_bytes(br#"{"status":200,"headers":[],"body":"aGk="}"#).unwrap();
+    /// assert_eq!(stored.body, b"hi");
+    /// assert!(StoredResponse::from_bytes(b"{}").is_err());
+    /// ```
     pub fn from_bytes(bytes: &[u8]) -> Result<Self, serde_json::Error> {
         serde_json::from_slice(bytes)
     }
@@ -138,6 +159,13 @@ impl StoredResponse {
 
     /// The response a retry receives: [`into_response`](Self::into_response) plus
     /// `Idempotent-Replayed: true`.
+    ///
+    /// ```
+    /// # use idempotency_http::StoredResponse;
+    /// let r = StoredResponse { status: 201, headers: vec![("location".into(), "/orders/1".into())], body: vec![] }.into_replay();
+    /// assert_eq!(r.headers()["location"], "/orders/1");
+    /// assert_eq!(r.headers()["idempotent-replayed"], "true");
+    /// ```
     pub fn into_replay(self) -> Response<Body> {
         let mut response = self.into_response();
         response

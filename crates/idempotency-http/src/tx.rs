@@ -110,6 +110,11 @@ pub enum TxRejection {
 
 impl TxRejection {
     /// The problem response for this rejection.
+    ///
+    /// ```
+    /// # use idempotency_http::TxRejection;
+    /// assert_eq!(TxRejection::AlreadyLent.to_problem().status, 500);
+    /// ```
     pub fn to_problem(&self) -> Problem {
         match self {
             TxRejection::Begin(_) => Problem::new(
