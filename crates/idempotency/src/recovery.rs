@@ -42,7 +42,8 @@ use crate::{
     store::{Effects, KeyRecord, KeyState, LeaseToken, Maintenance, Resolution},
     IdempotencyKey,
 };
-use std::{fmt, future::Future, time::Duration};
+use futures_util::FutureExt;
+use std::{fmt, future::Future, panic::AssertUnwindSafe, time::Duration};
 
 /// What the provider says about an external operation whose worker vanished.
 ///
@@ -175,13 +176,14 @@ pub struct Recovery<S, R = NoResolver> {
     max_attempts: u32,
     batch: u32,
     claim_lease: Duration,
+    resolver_timeout: Duration,
     retry_after: Duration,
     retention: Duration,
 }
 
 impl<S: Maintenance> Recovery<S, NoResolver> {
     /// A job without resolver (external keys are parked), 5 attempts, batches of 100 keys, a
-    /// 60 s claim, asking again on the next pass, results kept 24 h.
+    /// 60 s claim, a 30 s resolver timeout, asking again on the next pass, results kept 24 h.
     pub fn new(store: S) -> Self {
         Self {
             store,
@@ -189,6 +191,7 @@ impl<S: Maintenance> Recovery<S, NoResolver> {
             max_attempts: 5,
             batch: 100,
             claim_lease: Duration::from_secs(60),
+            resolver_timeout: Duration::from_secs(30),
             retry_after: Duration::ZERO,
             retention: Duration::from_secs(24 * 60 * 60),
         }
@@ -202,6 +205,7 @@ impl<S: Maintenance> Recovery<S, NoResolver> {
             max_attempts: self.max_attempts,
             batch: self.batch,
             claim_lease: self.claim_lease,
+            resolver_timeout: self.resolver_timeout,
             retry_after: self.retry_after,
             retention: self.retention,
         }
@@ -221,10 +225,18 @@ impl<S: Maintenance, R: Resolver> Recovery<S, R> {
         self
     }
 
-    /// How long a claim protects the key while the resolver is asked (should exceed the
-    /// resolver's timeout).
+    /// How long a claim protects the key while the resolver is asked; keep it above the
+    /// [resolver timeout](Self::with_resolver_timeout), so no other worker claims the key while
+    /// its provider is still being asked.
     pub fn with_claim_lease(mut self, lease: Duration) -> Self {
         self.claim_lease = lease;
+        self
+    }
+
+    /// How long the resolver may take; a resolver that takes longer (or panics) counts as
+    /// [`ProviderAnswer::Unknown`].
+    pub fn with_resolver_timeout(mut self, timeout: Duration) -> Self {
+        self.resolver_timeout = timeout;
         self
     }
 
@@ -287,7 +299,7 @@ impl<S: Maintenance, R: Resolver> Recovery<S, R> {
                         .await?;
                     (Decision::Parked, done)
                 }
-                Some(resolver) => match resolver.resolve(record).await {
+                Some(resolver) => match self.ask(resolver, record).await {
                     ProviderAnswer::Completed(result) => {
                         let done = self
                             .store
@@ -327,6 +339,22 @@ impl<S: Maintenance, R: Resolver> Recovery<S, R> {
         report.note(decision, done);
         tracing::info!(%key, effects = %record.effects, ?decision, done, "idempotency key recovered");
         Ok(())
+    }
+
+    /// Asks the resolver, bounded by the resolver timeout; a panic or a timeout is "unknown".
+    async fn ask(&self, resolver: &R, record: &KeyRecord) -> ProviderAnswer {
+        let asked = AssertUnwindSafe(resolver.resolve(record)).catch_unwind();
+        match tokio::time::timeout(self.resolver_timeout, asked).await {
+            Ok(Ok(answer)) => answer,
+            Ok(Err(_panic)) => {
+                tracing::error!(key = %record.key, "the recovery resolver panicked; taken as unknown");
+                ProviderAnswer::Unknown
+            }
+            Err(_elapsed) => {
+                tracing::warn!(key = %record.key, timeout = ?self.resolver_timeout, "the recovery resolver timed out; taken as unknown");
+                ProviderAnswer::Unknown
+            }
+        }
     }
 
     /// Runs passes every `interval` until `shutdown` completes, and returns the summed report.

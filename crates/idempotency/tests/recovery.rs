@@ -62,6 +62,8 @@ maintenance_tests!(
     without_resolver_external_keys_are_parked,
     live_leases_are_left_alone,
     late_original_worker_cannot_complete_after_recovery,
+    late_original_racing_recovery_never_both_act,
+    a_hanging_or_panicking_resolver_counts_as_unknown,
     racing_recovery_workers_never_double_act,
     resolve_settles_parked_keys_and_keeps_the_reason,
     racing_resolutions_only_one_wins,
@@ -618,4 +620,125 @@ async fn list_and_stats_see_the_table<S: Harness + Maintenance>(store: S) {
         age >= SHORT_LEASE && age < Duration::from_secs(30),
         "{age:?}"
     );
+}
+
+async fn late_original_racing_recovery_never_both_act<S: Harness + Maintenance>(store: S) {
+    const TRIALS: usize = 30;
+    let (mut original_won, mut recovery_won) = (0, 0);
+    for trial in 0..TRIALS {
+        let effects = if trial % 2 == 0 {
+            Effects::Local
+        } else {
+            Effects::External
+        };
+        let name = format!("{}-{trial}", unique("late-race"));
+        let a = attempt("user-1", &name, json!({"trial": name})).effects(effects);
+        let idem = Idempotency::new(store.clone()).with_lease(SHORT_LEASE);
+        let Reservation::Acquired(lease) = idem.reserve(&a).await.unwrap() else {
+            panic!("fresh key")
+        };
+        // The original did its work but is slow to commit: its lease ends first.
+        let mut tx = store.begin().await.unwrap();
+        S::insert_effect(&mut tx, &name).await.unwrap();
+        assert!(
+            wait_until(Duration::from_secs(5), || {
+                let (store, key) = (store.clone(), a.key.clone());
+                async move { store.find(&key).await.unwrap().unwrap().lease_expired() }
+            })
+            .await
+        );
+        let barrier = Arc::new(tokio::sync::Barrier::new(2));
+        let original = {
+            let barrier = barrier.clone();
+            tokio::spawn(async move {
+                barrier.wait().await;
+                lease.finish(tx, b"{\"by\":\"original\"}").await
+            })
+        };
+        let resolver = Scripted::new(ProviderAnswer::Completed(b"{\"by\":\"provider\"}".to_vec()));
+        let recovery = {
+            let recovery = Recovery::new(store.clone()).with_resolver(resolver.clone());
+            tokio::spawn(async move {
+                barrier.wait().await;
+                recovery.run_once().await.unwrap()
+            })
+        };
+        let finished = original.await.unwrap();
+        let report = recovery.await.unwrap();
+        let row = store.find(&a.key).await.unwrap();
+        let effects_kept = store.count_effects(&name).await;
+        match finished {
+            Ok(()) => {
+                original_won += 1;
+                assert_eq!(
+                    report.acted(),
+                    0,
+                    "{}: {trial}: both acted: {report}",
+                    S::NAME
+                );
+                let row = row.expect("completed row");
+                assert_eq!(row.state, KeyState::Completed);
+                assert_eq!(row.result.as_deref(), Some(&b"{\"by\":\"original\"}"[..]));
+                assert_eq!(effects_kept, 1);
+            }
+            Err(Error::LeaseLost) => {
+                recovery_won += 1;
+                assert_eq!(report.acted(), 1, "{}: {trial}: {report}", S::NAME);
+                assert_eq!(effects_kept, 0, "the original's work was rolled back");
+                match effects {
+                    Effects::Local => assert!(row.is_none(), "released"),
+                    Effects::External => assert_eq!(
+                        row.unwrap().result.as_deref(),
+                        Some(&b"{\"by\":\"provider\"}"[..])
+                    ),
+                }
+            }
+            Err(other) => panic!("{}: {trial}: {other:?}", S::NAME),
+        }
+    }
+    assert_eq!(original_won + recovery_won, TRIALS);
+    eprintln!(
+        "{}: late original vs recovery, {TRIALS} races: original won {original_won}, recovery won {recovery_won}, never both",
+        S::NAME
+    );
+}
+
+struct Misbehaving {
+    panics: bool,
+}
+
+impl Resolver for Misbehaving {
+    async fn resolve(&self, _record: &KeyRecord) -> ProviderAnswer {
+        if self.panics {
+            panic!("resolver bug");
+        }
+        tokio::time::sleep(Duration::from_secs(30)).await;
+        ProviderAnswer::Failed
+    }
+}
+
+async fn a_hanging_or_panicking_resolver_counts_as_unknown<S: Harness + Maintenance>(store: S) {
+    for panics in [false, true] {
+        let trial = unique("misbehaving");
+        let a = external("user-1", &trial);
+        abandon(&store, &a).await;
+        let report = Recovery::new(store.clone())
+            .with_resolver(Misbehaving { panics })
+            .with_resolver_timeout(Duration::from_millis(50))
+            .run_once()
+            .await
+            .unwrap();
+        assert_eq!(report.unknown, 1, "{}: panics {panics}: {report}", S::NAME);
+        let row = store.find(&a.key).await.unwrap().unwrap();
+        assert_eq!((row.state, row.recovery_attempts), (KeyState::Pending, 1));
+        // Settle it so the next round sees only its own key.
+        assert_eq!(
+            Recovery::new(store.clone())
+                .run_once()
+                .await
+                .unwrap()
+                .parked,
+            1
+        );
+    }
 }
