@@ -351,7 +351,7 @@ mod tests {
     #[test]
     fn every_migration_statement_is_split() {
         let n = statements(include_str!("../migrations/sqlite.sql")).count();
-        assert_eq!(n, 8);
+        assert_eq!(n, 7);
         assert_eq!(
             statements(include_str!("../migrations/postgres.sql")).count(),
             n

@@ -113,11 +113,28 @@ pub async fn protect(
     request: Request,
     next: Next,
 ) -> Response {
-    let response = match app.engine() {
-        Engine::Pg(engine) => guard(engine, route, request, next).await,
-        Engine::Sqlite(engine) => guard(engine, route, request, next).await,
-    };
-    response.unwrap_or_else(|problem| problem.into_response())
+    // The work runs in a task of its own: a client that gives up (timeout, closed connection)
+    // does not cancel it half-way, so the work finishes, the key completes, and the client's
+    // retry gets the stored response instead of a second attempt.
+    let work = tokio::spawn(async move {
+        let response = match app.engine() {
+            Engine::Pg(engine) => guard(engine, route, request, next).await,
+            Engine::Sqlite(engine) => guard(engine, route, request, next).await,
+        };
+        response.unwrap_or_else(|problem| problem.into_response())
+    });
+    work.await.unwrap_or_else(|e| panicked(&e))
+}
+
+fn panicked(error: &tokio::task::JoinError) -> Response {
+    tracing::error!(%error, "request task failed");
+    Problem::new(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "internal",
+        "Internal error",
+        "the request failed; nothing was kept, retry with the same Idempotency-Key",
+    )
+    .into_response()
 }
 
 async fn guard<S: Backend>(
@@ -360,7 +377,14 @@ fn replay(stored: &[u8]) -> Result<Response, Problem> {
 }
 
 /// Runs a handler in a plain transaction: committed on 2xx, rolled back otherwise. No key.
-pub async fn plain_tx(State(app): State<App>, mut request: Request, next: Next) -> Response {
+pub async fn plain_tx(State(app): State<App>, request: Request, next: Next) -> Response {
+    // In a task of its own, like the guard: a vanished client does not cut a transaction short.
+    tokio::spawn(in_plain_tx(app, request, next))
+        .await
+        .unwrap_or_else(|e| panicked(&e))
+}
+
+async fn in_plain_tx(app: App, mut request: Request, next: Next) -> Response {
     let tx = match app.db().begin().await {
         Ok(tx) => tx,
         Err(e) => return Problem::database(&e).into_response(),
