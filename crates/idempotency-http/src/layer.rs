@@ -2,7 +2,7 @@
 
 use crate::service::IdempotencyService;
 use http::{request::Parts, HeaderName, Method, StatusCode};
-use idempotency::{Effects, Idempotency, Store};
+use idempotency::{AfterError, Effects, Idempotency, Store};
 use std::{fmt, sync::Arc, time::Duration};
 
 /// Default largest request body read for fingerprinting: 1 MiB.
@@ -57,6 +57,7 @@ pub struct IdempotencyScope(pub String);
 type ScopeFn = dyn Fn(&Parts) -> Option<String> + Send + Sync;
 type OperationFn = dyn Fn(&Parts) -> String + Send + Sync;
 type StatusPredicate = dyn Fn(StatusCode) -> bool + Send + Sync;
+type AfterUnstored = dyn Fn(StatusCode) -> AfterError + Send + Sync;
 
 #[derive(Clone)]
 pub(crate) enum OperationSource {
@@ -79,6 +80,7 @@ pub(crate) struct Settings<S> {
     pub(crate) stored_headers: Vec<HeaderName>,
     pub(crate) body_limit: usize,
     pub(crate) store_response_if: Arc<StatusPredicate>,
+    pub(crate) after_unstored: Arc<AfterUnstored>,
     pub(crate) expiry_header: bool,
 }
 
@@ -96,6 +98,7 @@ impl<S: Clone> Clone for Settings<S> {
             stored_headers: self.stored_headers.clone(),
             body_limit: self.body_limit,
             store_response_if: self.store_response_if.clone(),
+            after_unstored: self.after_unstored.clone(),
             expiry_header: self.expiry_header,
         }
     }
@@ -194,6 +197,7 @@ impl<S: Store> IdempotencyLayer<S> {
                 stored_headers: Vec::new(),
                 body_limit: DEFAULT_BODY_LIMIT,
                 store_response_if: Arc::new(|status: StatusCode| !status.is_server_error()),
+                after_unstored: Arc::new(|_: StatusCode| AfterError::Release),
                 expiry_header: false,
             },
         }
@@ -349,6 +353,30 @@ impl<S: Store> IdempotencyLayer<S> {
         predicate: impl Fn(StatusCode) -> bool + Send + Sync + 'static,
     ) -> Self {
         self.settings.store_response_if = Arc::new(predicate);
+        self
+    }
+
+    /// What happens to the key after a response that is not stored (default: always
+    /// [`AfterError::Release`], so a retry runs again). A handler that may have caused an outside
+    /// effect before failing (a payment provider timed out) can answer with a status for which
+    /// this returns [`AfterError::Park`]: the key is kept as *needs review* and retries get 409
+    /// (`needs-review`) until an operator resolves it (`idem keys resolve`). A panic or a dropped
+    /// connection always releases.
+    ///
+    /// ```no_run
+    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::store::sqlite::SqliteStore>) {
+    /// use idempotency::AfterError;
+    /// let layer = layer.on_unstored_response(|status| match status.as_u16() {
+    ///     502 | 504 => AfterError::Park(format!("payment provider answered {status}")),
+    ///     _ => AfterError::Release,
+    /// });
+    /// # }
+    /// ```
+    pub fn on_unstored_response(
+        mut self,
+        decide: impl Fn(StatusCode) -> AfterError + Send + Sync + 'static,
+    ) -> Self {
+        self.settings.after_unstored = Arc::new(decide);
         self
     }
 

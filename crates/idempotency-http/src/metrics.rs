@@ -9,6 +9,7 @@
 //! | `conflict` | 409: in progress, needs review, or lease lost |
 //! | `reused` | 422: key reused with a different request |
 //! | `released` | the handler answered 5xx (or unstored), panicked or was cancelled; the key was released |
+//! | `parked` | an unstored response for which the route decided to park the key as *needs review* |
 //! | `rejected` | 400/401/413 before anything was reserved |
 //! | `unavailable` | 503: the store could not be reached; the handler did not run |
 //! | `failed` | 500: an internal failure of the layer |
@@ -30,6 +31,8 @@ pub const CONFLICT: &str = "conflict";
 pub const REUSED: &str = "reused";
 /// See the module table.
 pub const RELEASED: &str = "released";
+/// See the module table.
+pub const PARKED: &str = "parked";
 /// See the module table.
 pub const REJECTED: &str = "rejected";
 /// See the module table.

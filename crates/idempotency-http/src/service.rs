@@ -18,7 +18,7 @@ use bytes::Bytes;
 use futures_util::{future::BoxFuture, FutureExt};
 use http::{header, request::Parts, HeaderMap, HeaderValue, Request, Response};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
-use idempotency::{Attempt, Fingerprint, IdempotencyKey, Lease, Reservation, Store};
+use idempotency::{AfterError, Attempt, Fingerprint, IdempotencyKey, Lease, Reservation, Store};
 use std::{
     future::Future,
     panic::AssertUnwindSafe,
@@ -248,12 +248,12 @@ where
     let response = match ran {
         Ok(Ok(response)) => response,
         Ok(Err(error)) => {
-            drop(slot.take_back());
+            rollback(slot.take_back()).await;
             lease.release("the inner service failed").await;
             return Err(error);
         }
         Err(panic) => {
-            drop(slot.take_back());
+            rollback(slot.take_back()).await;
             lease.release("the handler panicked").await;
             std::panic::resume_unwind(panic);
         }
@@ -273,7 +273,10 @@ where
         if let Some(tx) = tx {
             let _ = tx.rollback().await;
         }
-        lease.release("the response is not stored").await;
+        match (settings.after_unstored)(response_parts.status) {
+            AfterError::Release => lease.release("the response is not stored").await,
+            AfterError::Park(reason) => lease.park(&reason).await,
+        }
         return Ok(Response::from_parts(
             response_parts,
             Body::new(response_body),
@@ -325,6 +328,14 @@ where
     }
 }
 
+/// Rolls back what the handler left in the slot, before the key is released (on SQLite the open
+/// transaction holds the write lock the release needs).
+async fn rollback<DB: sqlx::Database>(returned: Returned<DB>) {
+    if let Returned::Open(tx) = returned {
+        let _ = tx.rollback().await;
+    }
+}
+
 /// A request that is not protected: the handler may still use the transaction, committed after a
 /// response the layer would store and rolled back otherwise.
 async fn run_unprotected<S, Inner, ResBody>(
@@ -372,6 +383,14 @@ struct HeldLease<S: Store>(Option<Lease<S>>);
 impl<S: Store> HeldLease<S> {
     fn take(&mut self) -> Lease<S> {
         self.0.take().expect("the lease is taken once")
+    }
+
+    async fn park(&mut self, reason: &str) {
+        count(metrics::PARKED);
+        tracing::warn!(reason, "parking idempotency key for review");
+        if let Err(error) = self.take().park(reason).await {
+            tracing::error!(%error, "could not park idempotency key; it stays pending until its lease ends");
+        }
     }
 
     async fn release(&mut self, why: &'static str) {

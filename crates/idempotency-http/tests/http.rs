@@ -49,6 +49,7 @@ on_both!(
     handler_without_transaction_is_stored,
     other_methods_pass_through,
     lost_lease_rolls_back_the_handlers_rows,
+    parked_key_is_409_needs_review,
 );
 
 const TRIALS: usize = 100;
@@ -384,6 +385,34 @@ async fn lost_lease_rolls_back_the_handlers_rows(app: &TestApp) {
     let replay = Answer::of(app.post("/short-lease", "alice", Some(&key), &body)).await;
     assert!(replay.replayed());
     assert_eq!(replay.body, fast.body);
+}
+
+async fn parked_key_is_409_needs_review(app: &TestApp) {
+    let key = new_key();
+    let body = json!({"sku": "charged?"});
+    let failed = Answer::of(
+        app.post("/payments", "alice", Some(&key), &body)
+            .header("x-fail", "502"),
+    )
+    .await;
+    assert_eq!(failed.status, 502);
+    assert_eq!(app.db.keys_in_state("needs_review").await, 1);
+    assert_eq!(app.db.orders("charged?").await, 0, "rolled back");
+    for _ in 0..2 {
+        let retry = Answer::of(app.post("/payments", "alice", Some(&key), &body)).await;
+        retry.assert_problem(409, types::NEEDS_REVIEW);
+    }
+    // A 500 on the same route releases as usual.
+    let key = new_key();
+    let failed = Answer::of(
+        app.post("/payments", "alice", Some(&key), &body)
+            .header("x-fail", "500"),
+    )
+    .await;
+    assert_eq!(failed.status, 500);
+    let retry = Answer::of(app.post("/payments", "alice", Some(&key), &body)).await;
+    assert_eq!(retry.status, 201);
+    assert_eq!(app.db.orders("charged?").await, 1);
 }
 
 /// The store is down (nothing listens on the port): 503, and the handler never runs.

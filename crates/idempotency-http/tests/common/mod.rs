@@ -103,6 +103,7 @@ async fn create_order<DB: Backend>(
         Some("500") => {
             return (StatusCode::INTERNAL_SERVER_ERROR, "failed on purpose").into_response()
         }
+        Some("502") => return (StatusCode::BAD_GATEWAY, "provider timed out").into_response(),
         Some("panic") => panic!("handler panics on purpose"),
         _ => {}
     }
@@ -135,7 +136,8 @@ pub fn layer<S: Store>(store: S) -> IdempotencyLayer<S> {
 pub const SHORT_LEASE: Duration = Duration::from_millis(300);
 
 /// The test app: `/orders` (required key), `/optional-orders` (optional key), `/small` (1 KiB
-/// limit), `/short-lease` (300 ms lease), `/nonce` (no transaction), `/orders/{id}` GET passes through.
+/// limit), `/short-lease` (300 ms lease), `/payments`
+/// (external effects, 502 parks the key), `/nonce` (no transaction), `/orders/{id}` GET passes through.
 pub fn app<S: Store>(store: S) -> Router
 where
     S::Database: Backend,
@@ -156,8 +158,22 @@ where
         .route_layer(layer(store.clone()).body_limit(1024));
     let short_lease = Router::new()
         .route("/short-lease", post(create_order::<S::Database>))
-        .route_layer(layer(store).with_lease(SHORT_LEASE));
-    orders.merge(optional).merge(small).merge(short_lease)
+        .route_layer(layer(store.clone()).with_lease(SHORT_LEASE));
+    let external = Router::new()
+        .route("/payments", post(create_order::<S::Database>))
+        .route_layer(
+            layer(store)
+                .effects(idempotency::Effects::External)
+                .on_unstored_response(|status| match status.as_u16() {
+                    502 => idempotency::AfterError::Park(format!("provider answered {status}")),
+                    _ => idempotency::AfterError::Release,
+                }),
+        );
+    orders
+        .merge(optional)
+        .merge(small)
+        .merge(short_lease)
+        .merge(external)
 }
 
 /// Serves `router` on a random loopback port; returns its base URL.
