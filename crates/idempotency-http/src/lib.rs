@@ -24,7 +24,10 @@
 //!    fingerprint → 422. Still running → 409 with `Retry-After`. Parked → 409. Store unreachable
 //!    → 503, and the handler is **not** run.
 //! 7. Runs the handler. If it extracts [`IdempotentTx`], the business transaction is begun then
-//!    (never for handlers that do not ask for it).
+//!    (never for handlers that do not ask for it). The held
+//!    [`IdempotencyKey`](idempotency::IdempotencyKey) is in the request extensions
+//!    (`Option<Extension<IdempotencyKey>>`), for handlers that pass it on to a provider that
+//!    accepts idempotency keys itself.
 //! 8. A response the predicate stores (default status < 500) is captured as a
 //!    [`StoredResponse`] (status, `Content-Type`, `Location` and the configured headers, never
 //!    cookies or credentials, and the body) and the key is **completed with it inside the
@@ -32,6 +35,8 @@
 //!    response exist together or not at all. A 5xx, a panic, or a dropped connection (the server
 //!    cancels the request future) rolls the transaction back and **releases** the key, so a retry
 //!    runs again.
+//!
+//! Protected responses are buffered whole (to be stored), so do not protect streaming routes.
 //!
 //! Refusals are `application/problem+json` (RFC 9457, [`Problem`], [`problem::types`]).
 //!

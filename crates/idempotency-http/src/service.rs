@@ -243,6 +243,8 @@ where
     // 2. Run the handler, with the (lazily begun) business transaction in the extensions.
     let slot = TxSlot::new(settings.idempotency.store().clone());
     parts.extensions.insert(slot.clone());
+    // The key, for handlers that pass it on to an idempotent provider.
+    parts.extensions.insert(attempt.key.clone());
     let request = Request::from_parts(parts, Body::from(body));
     let ran = AssertUnwindSafe(inner.call(request)).catch_unwind().await;
     let response = match ran {

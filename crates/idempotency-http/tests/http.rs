@@ -178,6 +178,7 @@ async fn optional_route_without_key_runs_unprotected(app: &TestApp) {
             Answer::of(app.post("/optional-orders", "alice", None, &json!({"sku": "free"}))).await;
         assert_eq!(answer.status, 201);
         assert!(!answer.replayed());
+        assert!(answer.headers.get("idempotency-key-retention").is_none());
     }
     // Unprotected, but the handler's transaction was committed.
     assert_eq!(app.db.orders("free").await, 2);
@@ -201,6 +202,9 @@ async fn optional_route_without_key_runs_unprotected(app: &TestApp) {
     assert!(second.replayed());
     assert_eq!(second.body, first.body);
     assert_eq!(app.db.orders("kept").await, 1);
+    // Protected responses, first and replayed, tell how long the key is remembered.
+    assert_eq!(first.headers["idempotency-key-retention"], "86400");
+    assert_eq!(second.headers["idempotency-key-retention"], "86400");
 }
 
 async fn other_user_same_key_executes_separately(app: &TestApp) {
@@ -346,6 +350,8 @@ async fn handler_without_transaction_is_stored(app: &TestApp) {
     let second = Answer::of(app.post("/nonce", "alice", Some(&key), &json!({}))).await;
     assert!(second.replayed());
     assert_eq!(second.body, first.body);
+    // The handler saw the key it runs under.
+    assert_eq!(first.json()["held"], json!(["alice", "POST /nonce", key]));
     assert_eq!(app.db.keys_in_state("completed").await, 1);
 }
 

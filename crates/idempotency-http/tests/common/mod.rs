@@ -120,9 +120,18 @@ async fn create_order<DB: Backend>(
         .into_response()
 }
 
-/// A handler that never touches the transaction.
-async fn nonce() -> Json<serde_json::Value> {
-    Json(serde_json::json!({"nonce": uuid::Uuid::new_v4()}))
+/// A handler that never touches the transaction; echoes the held key's parts.
+async fn nonce(
+    key: Option<axum::Extension<idempotency::IdempotencyKey>>,
+) -> Json<serde_json::Value> {
+    let held = key.map(|axum::Extension(key)| {
+        [
+            key.scope().to_owned(),
+            key.operation().to_owned(),
+            key.key().to_owned(),
+        ]
+    });
+    Json(serde_json::json!({"nonce": uuid::Uuid::new_v4(), "held": held}))
 }
 
 /// The layer the tests use: scope from `x-user`, `x-order-id` stored.
@@ -152,7 +161,11 @@ where
         .route_layer(layer(store.clone()));
     let optional = Router::new()
         .route("/optional-orders", post(create_order::<S::Database>))
-        .route_layer(layer(store.clone()).key_requirement(KeyRequirement::Optional));
+        .route_layer(
+            layer(store.clone())
+                .key_requirement(KeyRequirement::Optional)
+                .expiry_header(true),
+        );
     let small = Router::new()
         .route("/small", post(create_order::<S::Database>))
         .route_layer(layer(store.clone()).body_limit(1024));
