@@ -65,7 +65,7 @@
 //!
 //! Each protected request runs in a `tracing` span `idempotency` with `scope`, `operation` and
 //! `method` (never the body or the key), and counts one `idempotency_requests_total{outcome}`
-//! through the [`metrics`](::metrics) facade (see [`metrics`](crate::metrics) for the outcomes).
+//! through the `metrics` facade (see [`metrics`](mod@crate::metrics) for the outcomes).
 //!
 //! # Example
 //!

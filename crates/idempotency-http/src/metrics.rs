@@ -1,4 +1,4 @@
-//! The `idempotency_requests_total{outcome}` counter, through the [`metrics`](::metrics) facade.
+//! The `idempotency_requests_total{outcome}` counter, through the `metrics` facade.
 //!
 //! Install any `metrics` recorder (Prometheus exporter …) to collect it. Outcomes:
 //!

@@ -1,6 +1,6 @@
 //! [`IdempotencyService`] and its [`ResponseFuture`]: the protocol of the article, per request.
 //!
-//! Read [`protect`] top to bottom: parse the key, read and fingerprint the body, **reserve**,
+//! Read `protect` (in this file) top to bottom: parse the key, read and fingerprint the body, **reserve**,
 //! **run** the handler with the business transaction in the request extensions, then **complete**
 //! the key with the stored response in that transaction (or **release** it on 5xx, panic or
 //! cancellation).

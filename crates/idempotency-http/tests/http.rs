@@ -372,10 +372,11 @@ async fn lost_lease_rolls_back_the_handlers_rows(app: &TestApp) {
     let body = json!({"sku": "overtaken"});
     let slow = Answer::of(
         app.post("/short-lease", "alice", Some(&key), &body)
-            .header("x-delay-before-tx-ms", "900"),
+            .header("x-delay-before-tx-ms", "1500"),
     );
     let fast = async {
-        // Past the 300 ms lease of the slow request, well before it wakes.
+        // Once the slow request holds the key: past its 300 ms lease, well before it wakes.
+        assert_eq!(app.db.wait_for_keys(1, Duration::from_secs(5)).await, 1);
         tokio::time::sleep(common::SHORT_LEASE + Duration::from_millis(200)).await;
         Answer::of(app.post("/short-lease", "alice", Some(&key), &body)).await
     };

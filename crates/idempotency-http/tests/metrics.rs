@@ -102,7 +102,7 @@ async fn each_outcome_is_counted() {
     let slow_key = new_key();
     let slow = Answer::of(
         app.post("/orders", "u", Some(&slow_key), &body)
-            .header("x-sleep-ms", "1000"),
+            .header("x-sleep-ms", "2000"),
     );
     let duplicates = async {
         assert_eq!(
