@@ -7,6 +7,8 @@ cd "$(dirname "$0")"
 seconds="${1:-60}"
 command -v cargo-fuzz >/dev/null 2>&1 || cargo install cargo-fuzz --locked --quiet
 export RUSTC_BOOTSTRAP=1
+echo "fuzz: building targets"
+cargo fuzz build
 for target in $(cargo fuzz list); do
   mkdir -p "corpus/$target"
   extra=()
