@@ -18,10 +18,13 @@ use tracing::{
     Event, Metadata, Subscriber,
 };
 
+/// A span's name and its `(field, value)` pairs.
+type SpanRecord = (String, Vec<(String, String)>);
+
 /// Every span (name and fields) and every event field the process recorded, as text.
 #[derive(Default)]
 struct Recorded {
-    spans: Mutex<Vec<(String, Vec<(String, String)>)>>,
+    spans: Mutex<Vec<SpanRecord>>,
     fields: Mutex<Vec<String>>,
     next_id: AtomicU64,
 }
