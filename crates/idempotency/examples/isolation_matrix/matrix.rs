@@ -367,15 +367,18 @@ where
     counts
 }
 
+/// Writes the business row of a trial inside the business transaction.
+type EffectFn<DB> = for<'t> fn(
+    &'t mut sqlx::Transaction<'static, DB>,
+    &'t str,
+) -> BoxFuture<'t, Result<(), sqlx::Error>>;
+
 /// The work of (c): enter, wait, write the business row in the business transaction.
 fn reserve_first<S: Store>(
     idem: Idempotency<S>,
     trial: Arc<Trial>,
     work: Duration,
-    insert: for<'t> fn(
-        &'t mut sqlx::Transaction<'static, S::Database>,
-        &'t str,
-    ) -> BoxFuture<'t, Result<(), sqlx::Error>>,
+    insert: EffectFn<S::Database>,
 ) -> BoxFuture<'static, Result<(), Failure>> {
     Box::pin(async move {
         let attempt = Attempt::new(
