@@ -174,7 +174,9 @@ where
         },
         Err(invalid) => return Ok(refuse(invalid.into())),
     };
-    let scope = match ((settings.scope)(&parts), &settings.missing_scope) {
+    // An empty scope is no scope.
+    let found = (settings.scope)(&parts).filter(|scope| !scope.is_empty());
+    let scope = match (found, &settings.missing_scope) {
         (Some(scope), _) => scope,
         (None, MissingScope::Fixed(scope)) => scope.clone(),
         (None, MissingScope::Reject) => return Ok(refuse(IdempotencyRejection::ScopeMissing)),

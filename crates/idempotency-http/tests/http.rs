@@ -226,6 +226,8 @@ async fn other_user_same_key_executes_separately(app: &TestApp) {
     )
     .await;
     anonymous.assert_problem(401, types::SCOPE_MISSING);
+    let empty = Answer::of(app.post("/orders", "", Some(&key), &body)).await;
+    empty.assert_problem(401, types::SCOPE_MISSING);
     assert_eq!(app.db.orders("shared").await, 2);
 }
 
