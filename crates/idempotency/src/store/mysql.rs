@@ -681,3 +681,143 @@ impl super::Maintenance for MySqlStore {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! MySQL-specific behaviour; the protocol's behaviour runs on MySQL in `tests/protocol.rs`.
+    use super::*;
+    use crate::{Effects, Insertion};
+
+    async fn store_with(time_zone: Option<&'static str>) -> Option<MySqlStore> {
+        let url = test_support::fresh_mysql_url().await?;
+        let mut options = sqlx::mysql::MySqlPoolOptions::new().max_connections(4);
+        if let Some(zone) = time_zone {
+            options = options.after_connect(move |conn, _| {
+                Box::pin(async move {
+                    sqlx::query(&format!("SET time_zone = '{zone}'"))
+                        .execute(&mut *conn)
+                        .await
+                        .map(drop)
+                })
+            });
+        }
+        let store = MySqlStore::new(options.connect(&url).await.expect("connect"));
+        store.migrate().await.expect("migrate");
+        Some(store)
+    }
+
+    fn pending(key: &IdempotencyKey) -> PendingRow<'_> {
+        PendingRow {
+            key,
+            fingerprint: Fingerprint::of_bytes(key.to_string().as_bytes()),
+            token: LeaseToken::new(),
+            effects: Effects::Local,
+            lease: Duration::from_secs(60),
+            retention: Duration::from_secs(3600),
+        }
+    }
+
+    #[tokio::test]
+    async fn keys_are_case_sensitive_and_byte_exact() {
+        let Some(store) = store_with(None).await else {
+            return;
+        };
+        // Case, trailing and leading spaces, accents: all distinct keys (a PAD SPACE or
+        // case-insensitive collation would make some of them collide).
+        let keys = [
+            ("user", "purchase", "k"),
+            ("User", "purchase", "k"),
+            ("user ", "purchase", "k"),
+            ("usér", "purchase", "k"),
+            ("user", "Purchase", "k"),
+            ("user", "purchase ", "k"),
+            ("user", "purchase", "K"),
+            ("user", "purchase", "k "),
+            ("user", "purchase", " k"),
+            ("ユーザー", "購入", "k"),
+            ("ﾕｰｻﾞｰ", "購入", "k"),
+        ];
+        for (scope, operation, key) in keys {
+            let key = IdempotencyKey::new(scope, operation, key).unwrap();
+            let row = pending(&key);
+            assert_eq!(
+                store.insert_pending(&row).await.unwrap(),
+                Insertion::Inserted,
+                "{key:?} collided with another key"
+            );
+        }
+        for (scope, operation, key) in keys {
+            let key = IdempotencyKey::new(scope, operation, key).unwrap();
+            let found = store.find(&key).await.unwrap().expect("row");
+            assert_eq!(found.key, key, "read back byte for byte");
+            assert_eq!(found.fingerprint, pending(&key).fingerprint);
+            assert!(matches!(
+                store.insert_pending(&pending(&key)).await.unwrap(),
+                Insertion::Conflict(existing) if existing.key == key
+            ));
+        }
+    }
+
+    #[tokio::test]
+    async fn longest_keys_fit_the_primary_key() {
+        let Some(store) = store_with(None).await else {
+            return;
+        };
+        let scope = "é".repeat(127) + "a"; // 255 bytes of UTF-8
+        let key = IdempotencyKey::new(scope, "o".repeat(255), "~".repeat(255)).unwrap();
+        assert_eq!(
+            store.insert_pending(&pending(&key)).await.unwrap(),
+            Insertion::Inserted
+        );
+        assert_eq!(store.find(&key).await.unwrap().unwrap().key, key);
+    }
+
+    #[tokio::test]
+    async fn times_are_utc_from_the_server_whatever_the_session_time_zone() {
+        let Some(store) = store_with(Some("+09:00")).await else {
+            return;
+        };
+        let key = IdempotencyKey::new("user", "purchase", "tz").unwrap();
+        assert_eq!(
+            store.insert_pending(&pending(&key)).await.unwrap(),
+            Insertion::Inserted
+        );
+        let row = store.find(&key).await.unwrap().unwrap();
+        let server_utc: DateTime<Utc> = sqlx::query_scalar("SELECT UTC_TIMESTAMP(6)")
+            .fetch_one(store.pool())
+            .await
+            .unwrap();
+        assert!(
+            (server_utc - row.created_at).num_seconds().abs() < 5,
+            "{row:?}"
+        );
+        assert_eq!(
+            row.lease_until - row.created_at,
+            chrono::Duration::seconds(60)
+        );
+        assert!(row.lease_remaining > Duration::from_secs(55) && !row.lease_expired());
+        assert!(!row.expired);
+    }
+
+    #[tokio::test]
+    async fn migrate_records_each_version_once() {
+        let Some(store) = store_with(None).await else {
+            return;
+        };
+        store.migrate().await.unwrap();
+        store.migrate().await.unwrap();
+        let versions: Vec<i64> =
+            sqlx::query_scalar("SELECT version FROM idempotency_schema_migrations")
+                .fetch_all(store.pool())
+                .await
+                .unwrap();
+        assert_eq!(versions, vec![1]);
+        // The lock is released: another connection can take it at once.
+        let free: Option<i64> =
+            sqlx::query_scalar(&format!("SELECT IS_FREE_LOCK({MIGRATION_LOCK})"))
+                .fetch_one(store.pool())
+                .await
+                .unwrap();
+        assert_eq!(free, Some(1));
+    }
+}
