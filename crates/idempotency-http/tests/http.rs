@@ -358,12 +358,37 @@ async fn handler_without_transaction_is_stored(app: &TestApp) {
 }
 
 async fn other_methods_pass_through(app: &TestApp) {
+    let url = format!("{}/orders/7", app.url);
     for _ in 0..2 {
-        let answer = Answer::of(app.client.get(format!("{}/orders/7", app.url))).await;
-        assert_eq!(answer.status, 200);
-        assert_eq!(&answer.body[..], b"read");
+        let read = Answer::of(app.client.get(&url)).await;
+        assert_eq!((read.status, &read.body[..]), (200, &b"read"[..]));
+        let put = Answer::of(app.client.put(&url).header("x-user", "alice")).await;
+        assert_eq!((put.status, &put.body[..]), (200, &b"replaced"[..]));
+        let delete = Answer::of(app.client.delete(&url).header("x-user", "alice")).await;
+        assert_eq!((delete.status, &delete.body[..]), (200, &b"deleted"[..]));
     }
     assert_eq!(app.db.keys().await, 0);
+    // PATCH is protected by default.
+    let patch = |key: Option<&str>| {
+        let mut request = app
+            .client
+            .patch(&url)
+            .header("x-user", "alice")
+            .header("content-type", "application/json")
+            .body(r#"{"sku":"patched"}"#);
+        if let Some(key) = key {
+            request = request.header("idempotency-key", key.to_owned());
+        }
+        Answer::of(request)
+    };
+    patch(None).await.assert_problem(400, types::KEY_MISSING);
+    let key = new_key();
+    let first = patch(Some(&key)).await;
+    assert_eq!(first.status, 201);
+    let second = patch(Some(&key)).await;
+    assert!(second.replayed());
+    assert_eq!(second.body, first.body);
+    assert_eq!(app.db.orders("patched").await, 1);
 }
 
 /// The same-transaction claim: a handler whose lease was taken over while it ran has its rows

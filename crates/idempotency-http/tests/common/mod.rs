@@ -146,7 +146,8 @@ pub const SHORT_LEASE: Duration = Duration::from_millis(300);
 
 /// The test app: `/orders` (required key), `/optional-orders` (optional key), `/small` (1 KiB
 /// limit), `/short-lease` (300 ms lease), `/payments`
-/// (external effects, 502 parks the key), `/nonce` (no transaction), `/orders/{id}` GET passes through.
+/// (external effects, 502 parks the key), `/nonce` (no transaction), `/orders/{id}` (POST and PATCH
+/// protected; GET, PUT and DELETE pass through).
 pub fn app<S: Store>(store: S) -> Router
 where
     S::Database: Backend,
@@ -155,7 +156,11 @@ where
         .route("/orders", post(create_order::<S::Database>))
         .route(
             "/orders/{id}",
-            get(|| async { "read" }).post(create_order::<S::Database>),
+            get(|| async { "read" })
+                .post(create_order::<S::Database>)
+                .patch(create_order::<S::Database>)
+                .put(|| async { "replaced" })
+                .delete(|| async { "deleted" }),
         )
         .route("/nonce", post(nonce))
         .route_layer(layer(store.clone()));
