@@ -50,8 +50,8 @@ impl Tx {
     /// The transaction's connection, for statements.
     pub fn conn(&mut self) -> Conn<'_> {
         match self {
-            Tx::Pg(tx) => Conn::Pg(&mut **tx),
-            Tx::Sqlite(tx) => Conn::Sqlite(&mut **tx),
+            Tx::Pg(tx) => Conn::Pg(tx),
+            Tx::Sqlite(tx) => Conn::Sqlite(tx),
         }
     }
 
@@ -291,8 +291,8 @@ impl ReadConn {
     /// The connection, for statements.
     pub fn conn(&mut self) -> Conn<'_> {
         match self {
-            ReadConn::Pg(c) => Conn::Pg(&mut **c),
-            ReadConn::Sqlite(c) => Conn::Sqlite(&mut **c),
+            ReadConn::Pg(c) => Conn::Pg(c),
+            ReadConn::Sqlite(c) => Conn::Sqlite(c),
         }
     }
 }

@@ -34,7 +34,10 @@ pub enum Disposition {
 /// assert_eq!(p.status().as_u16(), 422);
 /// ```
 #[derive(Debug, Clone)]
-pub struct Problem {
+pub struct Problem(Box<ProblemBody>);
+
+#[derive(Debug, Clone)]
+struct ProblemBody {
     status: StatusCode,
     slug: &'static str,
     title: &'static str,
@@ -53,7 +56,7 @@ impl Problem {
         title: &'static str,
         detail: impl Into<String>,
     ) -> Self {
-        Self {
+        Self(Box::new(ProblemBody {
             status,
             slug,
             title,
@@ -61,7 +64,7 @@ impl Problem {
             extra: Map::new(),
             retry_after: None,
             disposition: None,
-        }
+        }))
     }
 
     /// 400: the request is malformed.
@@ -102,55 +105,56 @@ impl Problem {
 
     /// The HTTP status.
     pub fn status(&self) -> StatusCode {
-        self.status
+        self.0.status
     }
 
     /// Adds a member to the problem document.
     pub fn with(mut self, name: &str, value: impl Into<Value>) -> Self {
-        self.extra.insert(name.to_owned(), value.into());
+        self.0.extra.insert(name.to_owned(), value.into());
         self
     }
 
     /// Adds a `Retry-After` header (seconds).
     pub fn retry_after(mut self, seconds: u64) -> Self {
-        self.retry_after = Some(seconds);
+        self.0.retry_after = Some(seconds);
         self
     }
 
     /// Marks the problem as a definitive answer, stored and replayed like a success.
     pub fn definitive(mut self) -> Self {
-        self.disposition = Some(Disposition::Store);
+        self.0.disposition = Some(Disposition::Store);
         self
     }
 
     /// Marks the outcome as unknown: the key is parked as *needs review*.
     pub fn park(mut self, reason: impl Into<String>) -> Self {
-        self.disposition = Some(Disposition::Park(reason.into()));
+        self.0.disposition = Some(Disposition::Park(reason.into()));
         self
     }
 }
 
 impl IntoResponse for Problem {
     fn into_response(self) -> Response {
+        let this = *self.0;
         let mut body = json!({
-            "type": format!("/problems/{}", self.slug),
-            "title": self.title,
-            "status": self.status.as_u16(),
-            "detail": self.detail,
+            "type": format!("/problems/{}", this.slug),
+            "title": this.title,
+            "status": this.status.as_u16(),
+            "detail": this.detail,
         });
         if let Value::Object(map) = &mut body {
-            map.extend(self.extra);
+            map.extend(this.extra);
         }
-        let mut response = (self.status, Json(body)).into_response();
+        let mut response = (this.status, Json(body)).into_response();
         response
             .headers_mut()
             .insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
-        if let Some(seconds) = self.retry_after {
+        if let Some(seconds) = this.retry_after {
             response
                 .headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
         }
-        if let Some(disposition) = self.disposition {
+        if let Some(disposition) = this.disposition {
             response.extensions_mut().insert(disposition);
         }
         response
