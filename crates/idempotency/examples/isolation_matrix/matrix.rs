@@ -937,7 +937,7 @@ pub fn render(config: &Config, reports: &[BackendReport]) -> String {
         .collect();
     let _ = writeln!(
         out,
-        "\nLevel in effect, as the server reported it inside a transaction: {}",
+        "\nLevel in effect, as the server reported it (PostgreSQL: SHOW transaction_isolation in a transaction; MariaDB: the session variable): {}",
         shown.join("; ")
     );
     out
