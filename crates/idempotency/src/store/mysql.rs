@@ -799,6 +799,162 @@ mod tests {
         assert!(!row.expired);
     }
 
+    /// A store whose every connection runs at `level`.
+    async fn store_at(level: &'static str) -> Option<MySqlStore> {
+        let url = test_support::fresh_mysql_url().await?;
+        let pool = sqlx::mysql::MySqlPoolOptions::new()
+            .max_connections(16)
+            .after_connect(move |conn, _| {
+                Box::pin(async move {
+                    sqlx::query(&format!("SET SESSION TRANSACTION ISOLATION LEVEL {level}"))
+                        .execute(&mut *conn)
+                        .await
+                        .map(drop)
+                })
+            })
+            .connect(&url)
+            .await
+            .expect("connect");
+        let store = MySqlStore::new(pool);
+        store.migrate().await.expect("migrate");
+        Some(store)
+    }
+
+    /// 8 tasks insert one new key at once, 100 times, at every session level: exactly one
+    /// `Inserted` per key, and no deadlock or serialization error ever reaches the caller.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn racing_inserts_have_one_winner_at_every_level() {
+        for level in ["READ COMMITTED", "REPEATABLE READ", "SERIALIZABLE"] {
+            let Some(store) = store_at(level).await else {
+                return;
+            };
+            for trial in 0..100 {
+                let key = IdempotencyKey::new("race", level, format!("k{trial}")).unwrap();
+                let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(8));
+                let tasks: Vec<_> = (0..8)
+                    .map(|_| {
+                        let (store, key, barrier) = (store.clone(), key.clone(), barrier.clone());
+                        tokio::spawn(async move {
+                            barrier.wait().await;
+                            store.insert_pending(&pending(&key)).await
+                        })
+                    })
+                    .collect();
+                let mut inserted = 0;
+                for task in tasks {
+                    match task.await.unwrap() {
+                        Ok(Insertion::Inserted) => inserted += 1,
+                        Ok(Insertion::Conflict(row)) => assert_eq!(row.key, key),
+                        other => panic!("{level}: {other:?}"),
+                    }
+                }
+                assert_eq!(inserted, 1, "{level}: trial {trial}");
+            }
+        }
+    }
+
+    /// Reserve-and-release churn on one key: a DELETE releasing the key while others wait to
+    /// insert it is where InnoDB deadlocks the waiters (1213). Every call must still answer
+    /// cleanly, and at no moment may two tasks hold the key.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn reserve_release_churn_never_surfaces_a_deadlock() {
+        let Some(store) = store_at("REPEATABLE READ").await else {
+            return;
+        };
+        let key = IdempotencyKey::new("churn", "purchase", "k").unwrap();
+        let holders = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let tasks: Vec<_> = (0..8)
+            .map(|_| {
+                let (store, key, holders) = (store.clone(), key.clone(), holders.clone());
+                tokio::spawn(async move {
+                    let mut held = 0;
+                    for _ in 0..60 {
+                        let row = pending(&key);
+                        match store.insert_pending(&row).await {
+                            Ok(Insertion::Inserted) => {
+                                let before =
+                                    holders.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                                assert_eq!(before, 0, "two holders at once");
+                                held += 1;
+                                tokio::task::yield_now().await;
+                                holders.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+                                assert!(store.release(&key, row.token).await.unwrap());
+                            }
+                            Ok(_) => {}
+                            Err(e) => panic!("insert_pending surfaced {e}"),
+                        }
+                    }
+                    held
+                })
+            })
+            .collect();
+        let mut held = 0;
+        for task in tasks {
+            held += task.await.unwrap();
+        }
+        assert!(held > 0);
+    }
+
+    async fn innodb_deadlocks(store: &MySqlStore) -> Option<i64> {
+        let row: Option<(String, String)> =
+            sqlx::query_as("SHOW GLOBAL STATUS LIKE 'Innodb_deadlocks'")
+                .fetch_optional(store.pool())
+                .await
+                .ok()?;
+        row?.1.parse().ok()
+    }
+
+    /// The classic InnoDB deadlock: an uncommitted insert of the key, three reservations waiting
+    /// on it, then a rollback — the waiters all hold shared locks and all want the insert lock,
+    /// and InnoDB kills all but one (1213). The victims must read the winner's row, not fail.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_deadlocked_reservation_reads_the_winner() {
+        let Some(store) = store_at("REPEATABLE READ").await else {
+            return;
+        };
+        let before = innodb_deadlocks(&store).await;
+        for trial in 0..5 {
+            let key = IdempotencyKey::new("deadlock", "purchase", format!("k{trial}")).unwrap();
+            let blocker = pending(&key);
+            let mut tx = store.pool().begin().await.unwrap();
+            sqlx::query(INSERT)
+                .bind(key.scope().as_bytes())
+                .bind(key.operation().as_bytes())
+                .bind(key.key().as_bytes())
+                .bind(blocker.effects.as_str())
+                .bind(blocker.fingerprint.as_bytes().as_slice())
+                .bind(blocker.token.0.as_bytes().as_slice())
+                .bind(micros(blocker.lease))
+                .bind(micros(blocker.retention))
+                .execute(&mut *tx)
+                .await
+                .unwrap();
+            let waiters: Vec<_> = (0..3)
+                .map(|_| {
+                    let (store, key) = (store.clone(), key.clone());
+                    tokio::spawn(async move { store.insert_pending(&pending(&key)).await })
+                })
+                .collect();
+            tokio::time::sleep(Duration::from_millis(300)).await; // all three wait on the lock
+            tx.rollback().await.unwrap();
+            let mut inserted = 0;
+            for waiter in waiters {
+                match waiter.await.unwrap() {
+                    Ok(Insertion::Inserted) => inserted += 1,
+                    Ok(Insertion::Conflict(row)) => assert_eq!(row.key, key),
+                    other => panic!("trial {trial}: {other:?}"),
+                }
+            }
+            assert_eq!(inserted, 1, "trial {trial}");
+        }
+        if let (Some(before), Some(after)) = (before, innodb_deadlocks(&store).await) {
+            assert!(
+                after > before,
+                "the scenario must really deadlock inside InnoDB"
+            );
+        }
+    }
+
     #[tokio::test]
     async fn migrate_records_each_version_once() {
         let Some(store) = store_with(None).await else {
