@@ -81,13 +81,17 @@ pub enum Reservation<S: Store> {
 /// The right to run the work for one key, until the lease ends.
 ///
 /// Dropping a lease that was neither finished, released nor parked (a panic, a cancelled future)
-/// releases the key in a background task, so a cancelled request does not keep the key pending
-/// until its lease ends.
+/// *abandons* it: for [`Effects::Local`] work the key is released in a background task, so a
+/// cancelled request does not keep the key pending until its lease ends (nothing was committed:
+/// completion commits with the work). For [`Effects::External`] work the key is left pending, since
+/// the outside effect may have happened: the recovery job asks the provider once the lease ends, or
+/// parks the key for a human.
 #[derive(Debug)]
 pub struct Lease<S: Store> {
     store: S,
     key: IdempotencyKey,
     token: LeaseToken,
+    effects: Effects,
     retention: Duration,
     armed: bool,
 }
@@ -153,6 +157,16 @@ impl<S: Store> Lease<S> {
         self.store.park(&self.key, self.token, reason).await
     }
 
+    /// The work was abandoned (panic): release a local key, leave an external one pending.
+    async fn abandon(&mut self) {
+        if self.effects == Effects::External {
+            self.armed = false;
+            tracing::warn!(key = %self.key, "external work abandoned; the key stays pending for the recovery job");
+            return;
+        }
+        self.release_quietly().await;
+    }
+
     async fn release_quietly(&mut self) {
         self.armed = false;
         if let Err(error) = self.store.release(&self.key, self.token).await {
@@ -164,6 +178,10 @@ impl<S: Store> Lease<S> {
 impl<S: Store> Drop for Lease<S> {
     fn drop(&mut self) {
         if !self.armed {
+            return;
+        }
+        if self.effects == Effects::External {
+            tracing::warn!(key = %self.key, "external work abandoned (cancelled); the key stays pending for the recovery job");
             return;
         }
         let (store, key, token) = (self.store.clone(), self.key.clone(), self.token);
@@ -323,13 +341,16 @@ impl<S: Store> Idempotency<S> {
             store: self.store.clone(),
             key: row.key.clone(),
             token: row.token,
+            effects: row.effects,
             retention: self.retention,
             armed: true,
         }
     }
 
     /// Runs `work` at most once per key: reserve, run in the business transaction, complete in
-    /// the same transaction, commit. On error, panic or cancellation the key is released.
+    /// the same transaction, commit. On error the key is released; on panic or cancellation it is
+    /// released for [`Effects::Local`] work and left pending for the recovery job for
+    /// [`Effects::External`] work (see [`Lease`]).
     ///
     /// To store a *definitive* business refusal (so a replay refuses the same way), make it part
     /// of the result: return `Ok(Err(refusal))` with `R = Result<T, Refusal>`.
@@ -396,7 +417,7 @@ impl<S: Store> Idempotency<S> {
             }
             Err(panic) => {
                 let _ = tx.rollback().await;
-                lease.release_quietly().await;
+                lease.abandon().await;
                 std::panic::resume_unwind(panic);
             }
         };

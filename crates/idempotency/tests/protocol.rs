@@ -304,6 +304,47 @@ async fn an_external_operation_is_not_taken_over<S: Harness>(store: S) {
     assert!(row.lease_expired());
 }
 
+/// External work that is abandoned (cancelled or panicking) may have had its outside effect: its
+/// key is not released but left pending for the recovery job.
+async fn abandoned_external_work_stays_pending<S: Harness>(store: S) {
+    let idem = Idempotency::new(store.clone());
+    let trial = unique("abandoned-external");
+    let a = attempt("user-1", &trial, json!({"to": "a@example.com"})).effects(Effects::External);
+    let (started_tx, started) = tokio::sync::oneshot::channel();
+    let (idem2, a2) = (idem.clone(), a.clone());
+    let task = tokio::spawn(async move {
+        idem2
+            .run(&a2, move |_tx| {
+                Box::pin(async move {
+                    started_tx.send(()).unwrap(); // the mail is on its way
+                    tokio::time::sleep(Duration::from_secs(3600)).await;
+                    Ok::<_, sqlx::Error>(json!(null))
+                })
+            })
+            .await
+    });
+    started.await.unwrap();
+    task.abort();
+    assert!(task.await.unwrap_err().is_cancelled());
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let row = store.find(&a.key).await.unwrap().expect("not released");
+    assert_eq!(row.state, KeyState::Pending);
+
+    let b = attempt("user-1", &unique("panicking-external"), json!({})).effects(Effects::External);
+    let (idem3, b2) = (idem.clone(), b.clone());
+    let joined = tokio::spawn(async move {
+        idem3
+            .run(&b2, |_tx| {
+                Box::pin(async { panic!("bug after calling the provider") })
+            })
+            .await as Result<Outcome<()>, Error<sqlx::Error>>
+    })
+    .await;
+    assert!(joined.unwrap_err().is_panic());
+    let row = store.find(&b.key).await.unwrap().expect("not released");
+    assert_eq!(row.state, KeyState::Pending);
+}
+
 async fn an_expired_key_runs_anew<S: Harness>(store: S) {
     let idem = Idempotency::new(store.clone()).with_retention(Duration::from_millis(200));
     let trial = unique("expired");
@@ -400,6 +441,7 @@ backend_tests!(
     an_expired_lease_is_taken_over_and_the_stale_holder_is_fenced,
     a_worker_stalled_inside_its_transaction_is_fenced,
     an_external_operation_is_not_taken_over,
+    abandoned_external_work_stays_pending,
     an_expired_key_runs_anew,
     a_definitive_refusal_is_stored_and_replayed,
     an_unknown_external_outcome_parks_the_key,

@@ -244,6 +244,8 @@ pub(crate) fn millis(duration: Duration) -> i64 {
 }
 
 /// The answer of [`Store::insert_pending`].
+// `Conflict` is large, but the value is moved once and matched at once: boxing buys nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Insertion {
     /// The row was inserted and committed: the caller holds the key.
