@@ -528,6 +528,10 @@ async fn racing_resolutions_only_one_wins<S: Harness + Maintenance>(store: S) {
 }
 
 async fn recovery_loop_stops_on_shutdown<S: Harness + Maintenance>(store: S) {
+    // Abandon first: a loop already running could release the key before `abandon` sees it.
+    let trial = unique("loop");
+    let a = attempt("user-1", &trial, json!({}));
+    abandon(&store, &a).await;
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let recovery = Recovery::new(store.clone());
     let job = tokio::spawn(async move {
@@ -537,9 +541,6 @@ async fn recovery_loop_stops_on_shutdown<S: Harness + Maintenance>(store: S) {
             })
             .await
     });
-    let trial = unique("loop");
-    let a = attempt("user-1", &trial, json!({}));
-    abandon(&store, &a).await;
     assert!(
         wait_until(Duration::from_secs(5), || {
             let (store, key) = (store.clone(), a.key.clone());
