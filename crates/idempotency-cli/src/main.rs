@@ -33,11 +33,17 @@ use std::{io::IsTerminal, path::PathBuf, process::ExitCode, time::Duration};
 #[command(name = "idem", version, about, propagate_version = true)]
 struct Cli {
     /// postgres://, sqlite: or mysql:// URL of the database holding the keys.
-    #[arg(long, env = "DATABASE_URL", global = true, value_name = "URL")]
+    #[arg(
+        long,
+        env = "DATABASE_URL",
+        hide_env_values = true,
+        global = true,
+        value_name = "URL"
+    )]
     database_url: Option<DatabaseUrl>,
 
     /// How long to wait for a database connection.
-    #[arg(long, global = true, default_value = "10s", value_parser = humantime::parse_duration)]
+    #[arg(long, global = true, default_value = "10s", value_parser = humantime::parse_duration, value_name = "DURATION")]
     connect_timeout: Duration,
 
     #[command(subcommand)]

@@ -280,6 +280,19 @@ fn bad_input_exits_with_2() {
 }
 
 #[test]
+fn help_never_shows_the_password_from_the_environment() {
+    Command::cargo_bin("idem")
+        .unwrap()
+        .env("DATABASE_URL", "postgres://idem:hunter2@db/idem")
+        .arg("--help")
+        .assert()
+        .success()
+        .stdout(
+            predicate::str::contains("DATABASE_URL").and(predicate::str::contains("hunter2").not()),
+        );
+}
+
+#[test]
 fn unreachable_database_exits_with_1_and_says_why() {
     idem_without_db(&[
         "--database-url",
