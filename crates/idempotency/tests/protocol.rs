@@ -5,7 +5,7 @@ mod common;
 use common::{attempt, purchase, race, unique, wait_until, Harness};
 use idempotency::{
     AfterError, Attempt, Effects, Error, Fingerprint, Idempotency, IdempotencyKey, KeyState,
-    Outcome, Reservation, Store,
+    Outcome, Reservation,
 };
 use serde_json::json;
 use std::{

@@ -1,0 +1,625 @@
+//! The fault scenarios. Each runs on a fresh PostgreSQL database, prints its counts, and fails on
+//! any duplicated charge, lost key or unclear answer.
+
+use crate::{
+    checks::{check, Verdict},
+    client::{purchase_until_settled, OpReport, Settled},
+    shop_process::ShopProcess,
+};
+use anyhow::{bail, ensure, Context, Result};
+use rand::Rng;
+use serde_json::{json, Value};
+use std::{
+    path::PathBuf,
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc,
+    },
+    time::{Duration, Instant},
+};
+use tokio::sync::Mutex;
+
+/// Every user starts with this balance (the shop's `START_BALANCE_CENTS`).
+pub const START_BALANCE_CENTS: i64 = 100_000;
+
+/// What the scenarios need from outside.
+#[derive(Debug, Clone)]
+pub struct Env {
+    /// The `shop` binary.
+    pub shop_bin: PathBuf,
+    /// The `idem` binary.
+    pub idem_bin: PathBuf,
+    /// Command that restarts the PostgreSQL server.
+    pub restart_postgres: Vec<String>,
+    /// Lease given to the shop, in milliseconds.
+    pub lease_ms: u64,
+}
+
+async fn fresh_database() -> Result<String> {
+    test_support::fresh_postgres_url()
+        .await
+        .context("TEST_POSTGRES_URL must name the PostgreSQL server")
+}
+
+fn purchase_body(rng: &mut impl Rng) -> Value {
+    json!({"sku": "tea", "quantity": rng.gen_range(1..=3)})
+}
+
+/// One logical purchase sent as a double click (two concurrent copies), each copy retrying until
+/// it settles.
+async fn double_click(http: &reqwest::Client, url: &str, user: &str, body: &Value) -> OpReport {
+    let key = uuid::Uuid::new_v4().to_string();
+    let (a, b) = tokio::join!(
+        purchase_until_settled(http, url, user, &key, body, Duration::from_secs(120)),
+        purchase_until_settled(http, url, user, &key, body, Duration::from_secs(120)),
+    );
+    merge(a, b)
+}
+
+fn merge(mut a: OpReport, b: OpReport) -> OpReport {
+    a.purchase_ids.extend(b.purchase_ids);
+    for (status, n) in b.statuses {
+        *a.statuses.entry(status).or_default() += n;
+    }
+    a.replays += b.replays;
+    a.bare_5xx += b.bare_5xx;
+    if a.settled != Settled::Created {
+        a.settled = b.settled;
+    }
+    a
+}
+
+/// Workers that keep starting new logical purchases until `stop` is set.
+fn purchase_workers(
+    url: String,
+    workers: usize,
+    stop: Arc<AtomicBool>,
+) -> Vec<tokio::task::JoinHandle<Vec<OpReport>>> {
+    (0..workers)
+        .map(|w| {
+            let (url, stop) = (url.clone(), stop.clone());
+            tokio::spawn(async move {
+                let http = reqwest::Client::new();
+                let mut done = Vec::new();
+                let mut n = 0;
+                while !stop.load(Ordering::SeqCst) {
+                    let user = format!("user-{}", (w * 7 + n) % 6);
+                    let body = purchase_body(&mut rand::thread_rng());
+                    done.push(double_click(&http, &url, &user, &body).await);
+                    n += 1;
+                }
+                done
+            })
+        })
+        .collect()
+}
+
+async fn collect(handles: Vec<tokio::task::JoinHandle<Vec<OpReport>>>) -> Result<Vec<OpReport>> {
+    let mut ops = Vec::new();
+    for handle in handles {
+        ops.extend(handle.await?);
+    }
+    Ok(ops)
+}
+
+/// Runs `idem recover --once` and returns its output.
+async fn recover(env: &Env, database_url: &str) -> Result<String> {
+    tokio::time::sleep(Duration::from_millis(env.lease_ms + 300)).await;
+    let out = tokio::process::Command::new(&env.idem_bin)
+        .args(["recover", "--once", "--database-url", database_url])
+        .output()
+        .await?;
+    ensure!(
+        out.status.success(),
+        "idem recover failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(String::from_utf8_lossy(&out.stdout)
+        .trim()
+        .replace('\n', " | "))
+}
+
+fn totals(ops: &[OpReport]) -> (usize, usize, usize, usize) {
+    let requests = ops.iter().map(OpReport::requests).sum();
+    let replays = ops.iter().map(|o| o.replays).sum();
+    let transport = ops
+        .iter()
+        .map(|o| o.statuses.get(&0).copied().unwrap_or(0))
+        .sum();
+    let unavailable = ops
+        .iter()
+        .map(|o| o.statuses.get(&503).copied().unwrap_or(0))
+        .sum();
+    (requests, replays, transport, unavailable)
+}
+
+fn print_verdict(name: &str, v: &Verdict) {
+    println!(
+        "faults: {name}: verdict: operations {}, executed once {}, needs_review {}, failed-retryable {}, pending {}, duplicated {}",
+        v.operations, v.executed_once, v.needs_review, v.failed_retryable, v.pending, v.duplicated
+    );
+}
+
+/// SIGKILL the shop at random moments while clients keep retrying; then recover and check.
+pub async fn kill9(env: &Env, kills: usize) -> Result<()> {
+    let db = fresh_database().await?;
+    let lease = env.lease_ms.to_string();
+    let shop = ShopProcess::start(
+        &env.shop_bin,
+        &db,
+        &["--lease-ms", &lease, "--payment-latency-ms", "15"],
+    )
+    .await?;
+    let url = shop.url();
+    let shop = Arc::new(Mutex::new(shop));
+    let stop = Arc::new(AtomicBool::new(false));
+    let workers = purchase_workers(url, 8, stop.clone());
+    let started = Instant::now();
+    for _ in 0..kills {
+        let pause = rand::thread_rng().gen_range(150..450);
+        tokio::time::sleep(Duration::from_millis(pause)).await;
+        shop.lock().await.restart().await?;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop.store(true, Ordering::SeqCst);
+    let ops = collect(workers).await?;
+    let mut shop = Arc::try_unwrap(shop)
+        .ok()
+        .context("shop still shared")?
+        .into_inner();
+    let starts = shop.starts;
+    ensure!(
+        !shop.panicked(),
+        "the shop panicked; log {}",
+        shop.log().display()
+    );
+    shop.kill9().await?;
+    let recovered = recover(env, &db).await?;
+    let pool = sqlx::PgPool::connect(&db).await?;
+    let verdict = check(&pool, &ops, START_BALANCE_CENTS).await?;
+    let (requests, replays, transport, _) = totals(&ops);
+    println!(
+        "faults: kill9: {kills} kills ({starts} starts) in {:.1}s, {} operations, {requests} requests, {replays} replays, {transport} transport errors; recover: {recovered}",
+        started.elapsed().as_secs_f64(),
+        ops.len()
+    );
+    print_verdict("kill9", &verdict);
+    ensure!(verdict.executed_once > 0, "nothing executed");
+    Ok(())
+}
+
+/// A proxy cuts the connection right after forwarding the business COMMIT, before its reply.
+pub async fn lost_ack(env: &Env, trials: usize) -> Result<()> {
+    let db = fresh_database().await?;
+    let options: sqlx::postgres::PgConnectOptions = db.parse()?;
+    let upstream = tokio::net::lookup_host((options.get_host().to_owned(), options.get_port()))
+        .await?
+        .next()
+        .context("resolve the database host")?;
+    let proxy = test_support::proxy::FaultProxy::start(upstream).await;
+    let proxied = proxied_url(&db, proxy.addr().port());
+    let lease = env.lease_ms.to_string();
+    let shop = ShopProcess::start(&env.shop_bin, &proxied, &["--lease-ms", &lease]).await?;
+    let http = reqwest::Client::new();
+    let mut ops = Vec::new();
+    let mut replayed_after_cut = 0;
+    for trial in 0..trials {
+        let user = format!("ack-user-{}", trial % 3);
+        let key = uuid::Uuid::new_v4().to_string();
+        let cuts_before = proxy.commits_cut();
+        proxy.cut_next_commit();
+        let body = json!({"sku": "tea", "quantity": 1});
+        let op = purchase_until_settled(
+            &http,
+            &shop.url(),
+            &user,
+            &key,
+            &body,
+            Duration::from_secs(60),
+        )
+        .await;
+        ensure!(
+            proxy.commits_cut() == cuts_before + 1,
+            "trial {trial}: no COMMIT was cut"
+        );
+        ensure!(
+            op.settled == Settled::Created,
+            "trial {trial}: {:?}",
+            op.settled
+        );
+        let first_failed = op.statuses.keys().any(|s| *s == 0 || *s >= 500);
+        ensure!(
+            first_failed,
+            "trial {trial}: the cut COMMIT did not fail the first answer: {:?}",
+            op.statuses
+        );
+        if op.replays > 0 {
+            replayed_after_cut += 1;
+        }
+        ops.push(op);
+    }
+    ensure!(!shop.panicked(), "the shop panicked");
+    let pool = sqlx::PgPool::connect(&db).await?;
+    let verdict = check(&pool, &ops, START_BALANCE_CENTS).await?;
+    let (requests, replays, _, _) = totals(&ops);
+    println!(
+        "faults: lost-ack: {trials} COMMIT replies cut, {requests} requests, {replays} replays, {replayed_after_cut} retries answered from the store",
+    );
+    print_verdict("lost-ack", &verdict);
+    ensure!(
+        replayed_after_cut == trials,
+        "every retry after a lost acknowledgement must be a replay ({replayed_after_cut}/{trials})"
+    );
+    Ok(())
+}
+
+fn proxied_url(db: &str, port: u16) -> String {
+    let options: sqlx::postgres::PgConnectOptions = db.parse().expect("database url");
+    let database = options.get_database().unwrap_or("postgres").to_owned();
+    let user = options.get_username().to_owned();
+    // The password is in the original URL; keep everything after '@' replaced.
+    let password = db
+        .split("://")
+        .nth(1)
+        .and_then(|rest| rest.split('@').next())
+        .and_then(|userinfo| userinfo.split_once(':').map(|(_, p)| p.to_owned()))
+        .unwrap_or_default();
+    format!("postgres://{user}:{password}@127.0.0.1:{port}/{database}?sslmode=disable")
+}
+
+/// PostgreSQL restarts mid-storm: answers are 503 problem JSON meanwhile, the shop recovers by
+/// itself, and the invariants hold.
+pub async fn db_restart(env: &Env) -> Result<()> {
+    let db = fresh_database().await?;
+    let lease = env.lease_ms.to_string();
+    let mut shop = ShopProcess::start(&env.shop_bin, &db, &["--lease-ms", &lease]).await?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let workers = purchase_workers(shop.url(), 6, stop.clone());
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let down = Instant::now();
+    let status = tokio::process::Command::new(&env.restart_postgres[0])
+        .args(&env.restart_postgres[1..])
+        .status()
+        .await?;
+    ensure!(
+        status.success(),
+        "restart command failed: {:?}",
+        env.restart_postgres
+    );
+    let restart_took = down.elapsed();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    stop.store(true, Ordering::SeqCst);
+    let ops = collect(workers).await?;
+    shop.wait_healthy(Duration::from_secs(10)).await?;
+    ensure!(shop.starts == 1, "the shop had to be restarted");
+    ensure!(!shop.panicked(), "the shop panicked");
+    let recovered = recover(env, &db).await?;
+    let pool = sqlx::PgPool::connect(&db).await?;
+    let verdict = check(&pool, &ops, START_BALANCE_CENTS).await?;
+    let (requests, replays, transport, unavailable) = totals(&ops);
+    let bare: usize = ops.iter().map(|o| o.bare_5xx).sum();
+    println!(
+        "faults: db-restart: restart took {:.1}s, {} operations, {requests} requests, {unavailable} answered 503, {transport} transport errors, {bare} 5xx without problem JSON, {replays} replays; recover: {recovered}",
+        restart_took.as_secs_f64(),
+        ops.len()
+    );
+    print_verdict("db-restart", &verdict);
+    ensure!(
+        unavailable > 0,
+        "no request saw the outage: the restart was not exercised"
+    );
+    ensure!(bare == 0, "every 5xx must be application/problem+json");
+    Ok(())
+}
+
+/// A handler stalls past its lease while a retry takes the key over: the stale worker's commit
+/// is refused and rolled back; one charge in total.
+pub async fn slow_worker(env: &Env, trials: usize) -> Result<()> {
+    let db = fresh_database().await?;
+    let shop = ShopProcess::start(
+        &env.shop_bin,
+        &db,
+        &["--lease-ms", "800", "--payment-latency-ms", "1500"],
+    )
+    .await?;
+    let http = reqwest::Client::new();
+    let mut ops = Vec::new();
+    let mut fenced = 0;
+    for trial in 0..trials {
+        let user = format!("slow-user-{trial}");
+        let key = uuid::Uuid::new_v4().to_string();
+        let body = json!({"sku": "tea", "quantity": 1});
+        let base = shop.url();
+        let first = send_once(&http, &base, &user, &key, &body);
+        let retry = async {
+            tokio::time::sleep(Duration::from_millis(1100)).await; // past the 800 ms lease
+            send_once(&http, &base, &user, &key, &body).await
+        };
+        let ((first_status, first_json), (retry_status, _)) = tokio::join!(first, retry);
+        if first_status == 409
+            && first_json["type"]
+                .as_str()
+                .is_some_and(|t| t.ends_with("lease-lost"))
+        {
+            fenced += 1;
+        }
+        ensure!(
+            retry_status == 201,
+            "trial {trial}: the takeover must execute, got {retry_status}"
+        );
+        // Both copies settle on the same purchase.
+        let op = purchase_until_settled(
+            &http,
+            &shop.url(),
+            &user,
+            &key,
+            &body,
+            Duration::from_secs(30),
+        )
+        .await;
+        ensure!(
+            op.replays == 1,
+            "trial {trial}: a later retry must be a replay"
+        );
+        ops.push(op);
+    }
+    let pool = sqlx::PgPool::connect(&db).await?;
+    let verdict = check(&pool, &ops, START_BALANCE_CENTS).await?;
+    println!("faults: slow-worker: {trials} stalls past the lease, {fenced} stale commits refused (409 lease-lost), {trials} takeovers executed");
+    print_verdict("slow-worker", &verdict);
+    ensure!(
+        fenced == trials,
+        "every stale worker must be fenced ({fenced}/{trials})"
+    );
+    Ok(())
+}
+
+async fn send_once(
+    http: &reqwest::Client,
+    url: &str,
+    user: &str,
+    key: &str,
+    body: &Value,
+) -> (u16, Value) {
+    match http
+        .post(format!("{url}/purchases"))
+        .header("X-User-Id", user)
+        .header("Idempotency-Key", key)
+        .json(body)
+        .send()
+        .await
+    {
+        Ok(r) => {
+            let status = r.status().as_u16();
+            (status, r.json().await.unwrap_or(Value::Null))
+        }
+        Err(_) => (0, Value::Null),
+    }
+}
+
+/// Hostile input: clear 4xx problem JSON, no panic, nothing stored.
+pub async fn hostile(env: &Env) -> Result<()> {
+    let db = fresh_database().await?;
+    let shop = ShopProcess::start(&env.shop_bin, &db, &[]).await?;
+    let pool = sqlx::PgPool::connect(&db).await?;
+    let http = reqwest::Client::new();
+    let url = format!("{}/purchases", shop.url());
+    let good = br#"{"sku":"tea","quantity":1}"#.to_vec();
+    let huge = {
+        let mut body = br#"{"sku":"tea","quantity":1,"pad":""#.to_vec();
+        body.extend(std::iter::repeat_n(b'x', 10 * 1024 * 1024));
+        body.extend(br#""}"#);
+        body
+    };
+    type Case = (&'static str, Vec<(&'static str, Vec<u8>)>, Vec<u8>);
+    let cases: Vec<Case> = vec![
+        (
+            "invalid UTF-8 in the key",
+            vec![("idempotency-key", b"k\xff\xfe".to_vec())],
+            good.clone(),
+        ),
+        (
+            "invalid UTF-8 in the user",
+            vec![
+                ("x-user-id", b"u\xff".to_vec()),
+                ("idempotency-key", b"k-utf8".to_vec()),
+            ],
+            good.clone(),
+        ),
+        (
+            "10,000-character key",
+            vec![("idempotency-key", vec![b'k'; 10_000])],
+            good.clone(),
+        ),
+        (
+            "key with a tab",
+            vec![("idempotency-key", b"a\tb".to_vec())],
+            good.clone(),
+        ),
+        (
+            "malformed structured-field key",
+            vec![("idempotency-key", b"\"unterminated".to_vec())],
+            good.clone(),
+        ),
+        ("missing key", vec![], good.clone()),
+        (
+            "10 MB body",
+            vec![("idempotency-key", b"k-huge".to_vec())],
+            huge,
+        ),
+        (
+            "not JSON on a JSON route",
+            vec![("idempotency-key", b"k-notjson".to_vec())],
+            b"sku=tea&quantity=1".to_vec(),
+        ),
+        (
+            "JSON of the wrong shape",
+            vec![("idempotency-key", b"k-shape".to_vec())],
+            br#"{"sku": 5}"#.to_vec(),
+        ),
+        (
+            "unknown SKU",
+            vec![("idempotency-key", b"k-sku".to_vec())],
+            br#"{"sku":"'; DROP TABLE shop_orders; --","quantity":1}"#.to_vec(),
+        ),
+    ];
+    let mut answered = Vec::new();
+    for (name, headers, body) in cases {
+        let before = stored(&pool).await?;
+        let mut request = http
+            .post(&url)
+            .header("content-type", "application/json")
+            .body(body);
+        if !headers.iter().any(|(h, _)| *h == "x-user-id") {
+            request = request.header("x-user-id", "mallory");
+        }
+        for (header, value) in headers {
+            request = request.header(header, reqwest::header::HeaderValue::from_bytes(&value)?);
+        }
+        let response = request
+            .send()
+            .await
+            .with_context(|| format!("{name}: no answer"))?;
+        let status = response.status().as_u16();
+        let problem = response
+            .headers()
+            .get("content-type")
+            .is_some_and(|v| v.as_bytes().starts_with(b"application/problem+json"));
+        let detail: Value = response.json().await.unwrap_or(Value::Null);
+        ensure!(
+            (400..500).contains(&status),
+            "{name}: expected a 4xx, got {status} {detail}"
+        );
+        ensure!(problem, "{name}: {status} without application/problem+json");
+        ensure!(
+            detail["title"].is_string() && detail["type"].is_string(),
+            "{name}: problem without type/title: {detail}"
+        );
+        ensure!(
+            stored(&pool).await? == before,
+            "{name}: something was stored"
+        );
+        answered.push(format!("{name} → {status}"));
+    }
+    // A key made of SQL metacharacters is a valid key: it is stored as data, replayed, and the
+    // tables are intact.
+    let nasty = r#"'; DROP TABLE idempotency_keys; -- " OR 1=1 /* \ %_"#;
+    let body = json!({"sku": "tea", "quantity": 1});
+    let first = purchase_until_settled(
+        &http,
+        &shop.url(),
+        "mallory",
+        nasty,
+        &body,
+        Duration::from_secs(10),
+    )
+    .await;
+    let again = purchase_until_settled(
+        &http,
+        &shop.url(),
+        "mallory",
+        nasty,
+        &body,
+        Duration::from_secs(10),
+    )
+    .await;
+    ensure!(
+        first.settled == Settled::Created && again.replays == 1,
+        "SQL-metacharacter key: {first:?} / {again:?}"
+    );
+    let kept: String =
+        sqlx::query_scalar("SELECT idem_key FROM idempotency_keys WHERE scope = 'mallory'")
+            .fetch_one(&pool)
+            .await?;
+    ensure!(kept == nasty, "the key was not stored verbatim: {kept:?}");
+    shop_alive(&shop).await?;
+    println!(
+        "faults: hostile: {} hostile requests answered 4xx problem JSON with nothing stored: {}",
+        answered.len(),
+        answered.join("; ")
+    );
+    println!("faults: hostile: a key of SQL metacharacters was stored verbatim, executed once and replayed; no panic");
+    Ok(())
+}
+
+async fn stored(pool: &sqlx::PgPool) -> Result<(i64, i64)> {
+    Ok((
+        sqlx::query_scalar("SELECT count(*) FROM idempotency_keys")
+            .fetch_one(pool)
+            .await?,
+        sqlx::query_scalar("SELECT count(*) FROM shop_orders")
+            .fetch_one(pool)
+            .await?,
+    ))
+}
+
+async fn shop_alive(shop: &ShopProcess) -> Result<()> {
+    let health = reqwest::get(format!("{}/healthz", shop.url())).await?;
+    ensure!(
+        health.status().is_success(),
+        "the shop is not healthy after hostile input"
+    );
+    if shop.panicked() {
+        bail!("the shop panicked; log {}", shop.log().display());
+    }
+    Ok(())
+}
+
+/// User B sending user A's key and payload never receives A's stored response.
+pub async fn cross_tenant(env: &Env, trials: usize) -> Result<()> {
+    let db = fresh_database().await?;
+    let shop = ShopProcess::start(&env.shop_bin, &db, &[]).await?;
+    let http = reqwest::Client::new();
+    let mut ops = Vec::new();
+    for trial in 0..trials {
+        let key = uuid::Uuid::new_v4().to_string();
+        let body = json!({"sku": "tea", "quantity": 1 + trial % 3});
+        // Both at once, then each again.
+        let base = shop.url();
+        let (alice, bob) = tokio::join!(
+            purchase_until_settled(&http, &base, "alice", &key, &body, Duration::from_secs(30)),
+            purchase_until_settled(&http, &base, "bob", &key, &body, Duration::from_secs(30)),
+        );
+        ensure!(
+            alice.replays == 0 && bob.replays == 0,
+            "trial {trial}: a first request was a replay"
+        );
+        ensure!(
+            alice.purchase_ids != bob.purchase_ids,
+            "trial {trial}: bob received alice's purchase"
+        );
+        let alice_again = purchase_until_settled(
+            &http,
+            &shop.url(),
+            "alice",
+            &key,
+            &body,
+            Duration::from_secs(30),
+        )
+        .await;
+        let bob_again = purchase_until_settled(
+            &http,
+            &shop.url(),
+            "bob",
+            &key,
+            &body,
+            Duration::from_secs(30),
+        )
+        .await;
+        ensure!(
+            alice_again.purchase_ids == alice.purchase_ids,
+            "trial {trial}: alice's replay changed"
+        );
+        ensure!(
+            bob_again.purchase_ids == bob.purchase_ids,
+            "trial {trial}: bob's replay changed"
+        );
+        ops.push(merge(alice, alice_again));
+        ops.push(merge(bob, bob_again));
+    }
+    let pool = sqlx::PgPool::connect(&db).await?;
+    let verdict = check(&pool, &ops, START_BALANCE_CENTS).await?;
+    println!("faults: cross-tenant: {trials} keys sent by two users at once: {} separate executions, 0 responses crossed", 2 * trials);
+    print_verdict("cross-tenant", &verdict);
+    Ok(())
+}
