@@ -27,7 +27,8 @@ use axum::{
     response::{IntoResponse, Response},
 };
 use idempotency::{
-    Attempt, Effects, Error as IdemError, Fingerprint, Idempotency, IdempotencyKey, Reservation,
+    Attempt, Effects, Error as IdemError, Fingerprint, Idempotency, IdempotencyKey, KeyState,
+    Reservation,
 };
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
@@ -113,17 +114,11 @@ pub async fn protect(
     request: Request,
     next: Next,
 ) -> Response {
-    // The work runs in a task of its own: a client that gives up (timeout, closed connection)
-    // does not cancel it half-way, so the work finishes, the key completes, and the client's
-    // retry gets the stored response instead of a second attempt.
-    let work = tokio::spawn(async move {
-        let response = match app.engine() {
-            Engine::Pg(engine) => guard(engine, route, request, next).await,
-            Engine::Sqlite(engine) => guard(engine, route, request, next).await,
-        };
-        response.unwrap_or_else(|problem| problem.into_response())
-    });
-    work.await.unwrap_or_else(|e| panicked(&e))
+    let response = match app.engine() {
+        Engine::Pg(engine) => guard(engine.clone(), route, request, next).await,
+        Engine::Sqlite(engine) => guard(engine.clone(), route, request, next).await,
+    };
+    response.unwrap_or_else(IntoResponse::into_response)
 }
 
 fn panicked(error: &tokio::task::JoinError) -> Response {
@@ -138,7 +133,7 @@ fn panicked(error: &tokio::task::JoinError) -> Response {
 }
 
 async fn guard<S: Backend>(
-    engine: &Idempotency<S>,
+    engine: Idempotency<S>,
     route: KeyedRoute,
     request: Request,
     next: Next,
@@ -171,7 +166,7 @@ async fn guard<S: Backend>(
         invalid_key(e.to_string())
     })?;
 
-    let (mut parts, body) = request.into_parts();
+    let (parts, body) = request.into_parts();
     let bytes = axum::body::to_bytes(body, crate::problem::BODY_LIMIT)
         .await
         .map_err(|_| too_large())?;
@@ -187,7 +182,44 @@ async fn guard<S: Backend>(
             )
         })?
         .finish();
-    let attempt = Attempt::new(key.clone(), fingerprint).effects(route.effects);
+    let attempt = Attempt::new(key, fingerprint).effects(route.effects);
+
+    // Replays first: a plain read of the key, never a write. Only a completed, unexpired key with
+    // the same fingerprint is answered here; everything else goes through the reservation, which
+    // alone decides.
+    match engine.store().find(&attempt.key).await {
+        Ok(Some(record))
+            if record.state == KeyState::Completed
+                && !record.expired
+                && record.fingerprint == attempt.fingerprint =>
+        {
+            m::outcome(op, "replayed");
+            return replay(record.result.as_deref().unwrap_or_default());
+        }
+        Ok(_) => {}
+        Err(e) => {
+            m::outcome(op, "unavailable");
+            return Err(store_problem(&e));
+        }
+    }
+
+    // From the reservation on, the work runs in a task of its own: a client that gives up
+    // (timeout, closed connection) does not cancel it half-way, so the work finishes, the key
+    // completes, and the client's retry gets the stored response instead of a 409.
+    tokio::spawn(execute(engine, op, attempt, parts, bytes, next))
+        .await
+        .unwrap_or_else(|e| Ok(panicked(&e)))
+}
+
+async fn execute<S: Backend>(
+    engine: Idempotency<S>,
+    op: &'static str,
+    attempt: Attempt,
+    mut parts: Parts,
+    bytes: axum::body::Bytes,
+    next: Next,
+) -> Result<Response, Problem> {
+    let key = attempt.key.clone();
 
     // 1. Reserve the key, committed before any work.
     let lease = match engine.reserve(&attempt).await {

@@ -64,7 +64,7 @@ async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "warn,shop=info".into()),
+                .unwrap_or_else(|_| "warn,sqlx::query=error,shop=info".into()),
         )
         .with_writer(std::io::stderr)
         .init();

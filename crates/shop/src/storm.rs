@@ -44,10 +44,10 @@ pub struct StormArgs {
     #[arg(long, default_value_t = 0)]
     pub processes: usize,
     /// Simulated users.
-    #[arg(long, default_value_t = 24, value_parser = clap::value_parser!(u64).range(1..=10_000))]
+    #[arg(long, default_value_t = 48, value_parser = clap::value_parser!(u64).range(1..=10_000))]
     pub users: u64,
     /// Logical operations per user.
-    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=1_000))]
+    #[arg(long, default_value_t = 18, value_parser = clap::value_parser!(u64).range(1..=1_000))]
     pub operations: u64,
     /// Copies of each request sent concurrently (double clicks, racing retries).
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..=32))]
