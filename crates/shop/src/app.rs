@@ -42,6 +42,9 @@ pub struct Config {
     pub bench_routes: bool,
     /// Size of the shop's connection pool (PostgreSQL).
     pub max_connections: u32,
+    /// Serve `POST /purchases` **without** the guard (a deliberately broken shop, to show that
+    /// the storm catches double charges).
+    pub unguarded_purchases: bool,
 }
 
 impl Config {
@@ -53,6 +56,7 @@ impl Config {
             mail: Faults::default(),
             bench_routes: false,
             max_connections: 16,
+            unguarded_purchases: false,
         }
     }
 }
@@ -163,11 +167,16 @@ pub const SEND_EMAIL: KeyedRoute = KeyedRoute {
 };
 
 /// The router of the service.
-pub fn router(app: App, bench_routes: bool) -> Router {
+pub fn router(app: App, config: &Config) -> Router {
     let keyed = |route: KeyedRoute| from_fn_with_state((app.clone(), route), protect);
     let plain = from_fn_with_state(app.clone(), plain_tx);
+    let purchase = if config.unguarded_purchases {
+        post(routes::purchase).layer(plain.clone())
+    } else {
+        post(routes::purchase).layer(keyed(PURCHASE))
+    };
     let mut user_routes = Router::new()
-        .route("/purchases", post(routes::purchase).layer(keyed(PURCHASE)))
+        .route("/purchases", purchase)
         .route(
             "/orders",
             post(routes::create_order).layer(keyed(CREATE_ORDER)),
@@ -183,7 +192,7 @@ pub fn router(app: App, bench_routes: bool) -> Router {
         )
         .route("/emails", post(routes::send_email).layer(keyed(SEND_EMAIL)))
         .route("/users/{id}/ledger", get(routes::ledger));
-    if bench_routes {
+    if config.bench_routes {
         user_routes = user_routes.route(
             "/unprotected/purchases",
             post(routes::purchase).layer(plain),
@@ -301,7 +310,7 @@ pub async fn start(config: &Config, listen: &str) -> anyhow::Result<Running> {
     let app = App::connect(config).await?;
     let listener = tokio::net::TcpListener::bind(listen).await?;
     let addr = listener.local_addr()?;
-    let router = router(app.clone(), config.bench_routes);
+    let router = router(app.clone(), config);
     let task = tokio::spawn(async move {
         if let Err(error) = axum::serve(listener, router).await {
             tracing::error!(%error, "server stopped");

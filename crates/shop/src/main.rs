@@ -48,6 +48,10 @@ struct ServeArgs {
     /// Also mount `POST /unprotected/purchases` (the purchase handler without the guard).
     #[arg(long, hide = true)]
     bench_routes: bool,
+    /// Serve `POST /purchases` without the idempotency guard (a deliberately broken shop, to
+    /// show that the storm catches double charges).
+    #[arg(long, hide = true)]
+    unguarded_purchases: bool,
 }
 
 fn rate(s: &str) -> Result<f64, String> {
@@ -87,6 +91,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         latency: Duration::ZERO,
     };
     config.bench_routes = args.bench_routes;
+    config.unguarded_purchases = args.unguarded_purchases;
     let running = app::start(&config, &args.listen).await?;
     let url = running.url();
     let database = args

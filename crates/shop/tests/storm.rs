@@ -48,3 +48,40 @@ async fn storm_on_postgres_with_two_processes() {
             .unwrap();
     assert!(out.contains("(2 processes"), "{out}");
 }
+
+/// The storm is not vacuous: against a shop whose purchases bypass the guard it must report
+/// violations (double charges) and fail.
+#[test]
+fn storm_catches_an_unguarded_shop() {
+    let file = test_support::fresh_sqlite();
+    let url = file.url.clone();
+    let shop = common::start(
+        &url,
+        Some(file),
+        &["--unguarded-purchases", "--payment-latency-ms", "5"],
+    );
+    let output = Command::new(env!("CARGO_BIN_EXE_shop"))
+        .args([
+            "storm",
+            "--users",
+            "3",
+            "--operations",
+            "6",
+            "--duplicates",
+            "3",
+            "--quiet",
+        ])
+        .args(["--url", &shop.url])
+        .output()
+        .expect("run the storm");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        !output.status.success(),
+        "the storm passed a broken shop:\n{stdout}"
+    );
+    assert!(stdout.contains("VIOLATION"), "{stdout}");
+    assert!(
+        stdout.contains("charges"),
+        "double charges reported: {stdout}"
+    );
+}
