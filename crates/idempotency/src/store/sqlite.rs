@@ -13,7 +13,7 @@ use sqlx::{
     sqlite::{
         SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteRow, SqliteSynchronous,
     },
-    Row, Sqlite, SqlitePool, Transaction,
+    Row, Sqlite, SqlitePool, Transaction, TransactionManager,
 };
 use std::{str::FromStr, time::Duration};
 use uuid::Uuid;
@@ -265,7 +265,15 @@ impl Store for SqliteStore {
     }
 
     async fn begin(&self) -> Result<Transaction<'static, Sqlite>, StoreError> {
-        Ok(self.pool.begin_with("BEGIN IMMEDIATE").await?)
+        let mut conn = self.pool.acquire().await?;
+        // A connection must never carry a transaction into the pool, but if one does (a
+        // transaction leaked by a caller, or a BEGIN acknowledged after its caller was cancelled),
+        // `BEGIN IMMEDIATE` would fail with "non-zero transaction depth": roll the orphan back.
+        while <Sqlite as sqlx::Database>::TransactionManager::get_transaction_depth(&conn) > 0 {
+            tracing::warn!("rolling back a transaction left open on a pooled SQLite connection");
+            <Sqlite as sqlx::Database>::TransactionManager::rollback(&mut conn).await?;
+        }
+        Ok(Transaction::begin(conn, Some("BEGIN IMMEDIATE".into())).await?)
     }
 
     async fn complete(
