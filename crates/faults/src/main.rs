@@ -48,22 +48,24 @@ struct Args {
     /// The shop's lease, in milliseconds.
     #[arg(long, default_value_t = 1500)]
     lease_ms: u64,
-    /// Command restarting PostgreSQL (split on spaces).
-    #[arg(long, env = "FAULTS_RESTART_POSTGRES")]
-    restart_postgres: Option<String>,
+    /// Command controlling PostgreSQL, split on spaces; `stop` / `start` are appended
+    /// (default: `pg_ctlcluster --skip-systemctl-redirect $PG_VERSION main`).
+    #[arg(long, env = "FAULTS_POSTGRES_CTL")]
+    postgres_ctl: Option<String>,
 }
 
 #[tokio::main]
 async fn main() {
     let args = Args::parse();
     let version = std::env::var("PG_VERSION").unwrap_or_else(|_| "15".into());
-    let restart = args.restart_postgres.clone().unwrap_or_else(|| {
-        format!("pg_ctlcluster --skip-systemctl-redirect {version} main restart -m fast")
-    });
+    let ctl = args
+        .postgres_ctl
+        .clone()
+        .unwrap_or_else(|| format!("pg_ctlcluster --skip-systemctl-redirect {version} main"));
     let env = scenarios::Env {
         shop_bin: args.shop_bin.clone(),
         idem_bin: args.idem_bin.clone(),
-        restart_postgres: restart.split_whitespace().map(str::to_owned).collect(),
+        postgres_ctl: ctl.split_whitespace().map(str::to_owned).collect(),
         lease_ms: args.lease_ms,
     };
     let all = [

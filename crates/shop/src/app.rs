@@ -45,6 +45,9 @@ pub struct Config {
     /// Serve `POST /purchases` **without** the guard (a deliberately broken shop, to show that
     /// the storm catches double charges).
     pub unguarded_purchases: bool,
+    /// How long a request may hold its key before another may take it over (local routes) or
+    /// the recovery job may look at it (external routes).
+    pub lease: Duration,
 }
 
 impl Config {
@@ -57,6 +60,7 @@ impl Config {
             bench_routes: false,
             max_connections: 16,
             unguarded_purchases: false,
+            lease: Duration::from_secs(30),
         }
     }
 }
@@ -101,7 +105,7 @@ impl App {
         let (db, providers) = db::connect(&config.database_url, config.max_connections).await?;
         db.migrate().await?;
         providers.migrate().await?;
-        let lease = Duration::from_secs(30);
+        let lease = config.lease;
         let engine = match &db {
             ShopDb::Pg(store) => Engine::Pg(Idempotency::new(store.clone()).with_lease(lease)),
             ShopDb::Sqlite(store) => {
@@ -151,9 +155,11 @@ impl App {
 /// Keyed routes and their key policies.
 pub const PURCHASE: KeyedRoute = KeyedRoute {
     operation: "purchase",
-    // The payment provider is outside our database: an abandoned key is never taken over
-    // blindly; the provider honours our key, so an error may release it safely.
-    effects: Effects::External,
+    // The payment provider is outside our database, but it honours our key: running an
+    // abandoned purchase again (after a crash, once the lease ends) gets the same charge back, so
+    // the key may be taken over and an error may release it. The debit and the order commit
+    // with the key, exactly once.
+    effects: Effects::Local,
 };
 /// `POST /orders`.
 pub const CREATE_ORDER: KeyedRoute = KeyedRoute {

@@ -151,13 +151,13 @@ async fn guard<S: Backend>(
                 format!("{} needs an Idempotency-Key header: a fresh random string (a UUID) per logical operation, the same one on every retry", request.uri().path()),
             ));
         }
-        Some(value) => match value.to_str() {
-            Ok(s) => s.to_owned(),
-            Err(_) => {
+        // Both the IETF draft form (a Structured Field String, `"abc"`) and the bare token form,
+        // parsed by the HTTP layer's parser.
+        Some(value) => match idempotency_http::header::parse_idempotency_key(value) {
+            Ok(key) => key,
+            Err(e) => {
                 m::outcome(op, "rejected");
-                return Err(invalid_key(
-                    "the Idempotency-Key holds non-ASCII bytes".into(),
-                ));
+                return Err(invalid_key(e.to_string()));
             }
         },
     };

@@ -45,6 +45,10 @@ struct ServeArgs {
     /// Probability that a mail provider call fails (half of the failures after sending).
     #[arg(long, default_value_t = 0.0, value_parser = rate)]
     mail_fail_rate: f64,
+    /// How long a request may hold its idempotency key, in milliseconds, before a retry may take
+    /// it over (purchases, orders) or the recovery job may resolve it (e-mails).
+    #[arg(long, default_value_t = 30_000)]
+    lease_ms: u64,
     /// Also mount `POST /unprotected/purchases` (the purchase handler without the guard).
     #[arg(long, hide = true)]
     bench_routes: bool,
@@ -92,6 +96,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     };
     config.bench_routes = args.bench_routes;
     config.unguarded_purchases = args.unguarded_purchases;
+    config.lease = Duration::from_millis(args.lease_ms);
     let running = app::start(&config, &args.listen).await?;
     let url = running.url();
     let database = args
