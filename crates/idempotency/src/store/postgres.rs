@@ -5,7 +5,7 @@
 //! autocommit; under REPEATABLE READ or SERIALIZABLE server defaults a losing insert may fail with
 //! SQLSTATE 40001 instead of returning nothing, which is taken as "conflict, read the row".
 
-use super::{millis, Insertion, KeyRecord, LeaseToken, PendingRow, Store};
+use super::{millis, Effects, Insertion, KeyRecord, LeaseToken, PendingRow, Store};
 use crate::{error::StoreError, Fingerprint, IdempotencyKey};
 use chrono::{DateTime, Utc};
 use sqlx::{postgres::PgRow, PgPool, Postgres, Row, Transaction};
@@ -30,20 +30,40 @@ macro_rules! columns {
     };
 }
 
-const RESERVE: &str = concat!(
-    "WITH inserted AS (
-        INSERT INTO idempotency_keys
-            (scope, operation, idem_key, state, effects, fingerprint, lease_token, lease_until, expires_at)
-        VALUES ($1, $2, $3, 'pending', $4, $5, $6,
-                now() + $7 * INTERVAL '1 millisecond', now() + $8 * INTERVAL '1 millisecond')
-        ON CONFLICT (scope, operation, idem_key) DO NOTHING
-        RETURNING 1
-    )
-    SELECT EXISTS (SELECT 1 FROM inserted) AS inserted, ",
-    columns!(),
-    " FROM (VALUES (1)) AS one (x)
-      LEFT JOIN idempotency_keys k ON k.scope = $1 AND k.operation = $2 AND k.idem_key = $3"
-);
+/// The reservation statement; `$9` chooses `synchronous_commit` for its own (autocommit)
+/// transaction.
+macro_rules! reserve_sql {
+    () => {
+        concat!(
+            "WITH durability AS (SELECT set_config('synchronous_commit', $9, true) AS level),
+            inserted AS (
+                INSERT INTO idempotency_keys
+                    (scope, operation, idem_key, state, effects, fingerprint, lease_token, lease_until, expires_at)
+                VALUES ($1, $2, $3, 'pending', $4, $5, $6,
+                        now() + $7 * INTERVAL '1 millisecond', now() + $8 * INTERVAL '1 millisecond')
+                ON CONFLICT (scope, operation, idem_key) DO NOTHING
+                RETURNING 1
+            )
+            SELECT EXISTS (SELECT 1 FROM inserted) AS inserted, (SELECT level FROM durability) AS level, ",
+            columns!(),
+            " FROM (VALUES (1)) AS one (x)
+              LEFT JOIN idempotency_keys k ON k.scope = $1 AND k.operation = $2 AND k.idem_key = $3"
+        )
+    };
+}
+const RESERVE: &str = reserve_sql!();
+
+/// `synchronous_commit` for a reservation. A reservation of [`Effects::Local`] work need not be
+/// flushed on its own: WAL is flushed in order, so the completion's synchronous commit makes it
+/// durable too, and a crash before that loses only a reservation whose work cannot have
+/// committed either (a retry then runs it, once). External work may have had its outside effect
+/// before any commit, so its reservation is flushed before the work starts.
+fn reservation_durability(effects: Effects) -> &'static str {
+    match effects {
+        Effects::Local => "off",
+        Effects::External => "on",
+    }
+}
 
 const FIND: &str = concat!(
     "SELECT ",
@@ -174,6 +194,7 @@ impl Store for PgStore {
             .bind(row.token.0)
             .bind(row.lease_millis())
             .bind(row.retention_millis())
+            .bind(reservation_durability(row.effects))
             .fetch_one(&self.pool)
             .await;
         let answer = match answer {
