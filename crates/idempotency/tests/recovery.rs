@@ -17,44 +17,8 @@ use std::{
     time::Duration,
 };
 
-/// Instantiates each `async fn name<S: Harness + Maintenance>(store: S)` per backend that
-/// implements `Maintenance`.
-macro_rules! maintenance_tests {
-    ($($test:ident),* $(,)?) => {
-        mod postgres {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-                async fn $test() {
-                    if let Some(store) = <idempotency::store::postgres::PgStore as $crate::common::Harness>::open().await {
-                        super::$test(store).await;
-                    }
-                }
-            )*
-        }
-        mod sqlite {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-                async fn $test() {
-                    if let Some(store) = <idempotency::store::sqlite::SqliteStore as $crate::common::Harness>::open().await {
-                        super::$test(store).await;
-                    }
-                }
-            )*
-        }
-        mod mysql {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-                async fn $test() {
-                    if let Some(store) = <idempotency::store::mysql::MySqlStore as $crate::common::Harness>::open().await {
-                        super::$test(store).await;
-                    }
-                }
-            )*
-        }
-    };
-}
-
-maintenance_tests!(
+// Every store implements `Maintenance`, so the shared per-backend macro serves.
+backend_tests!(
     abandoned_local_key_is_released,
     abandoned_external_key_completed_by_the_resolver,
     abandoned_external_key_failed_by_the_resolver_is_released,

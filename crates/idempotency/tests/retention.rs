@@ -19,42 +19,8 @@ use std::{
     time::{Duration, Instant},
 };
 
-macro_rules! maintenance_tests {
-    ($($test:ident),* $(,)?) => {
-        mod postgres {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-                async fn $test() {
-                    if let Some(store) = <idempotency::store::postgres::PgStore as $crate::common::Harness>::open().await {
-                        super::$test(store).await;
-                    }
-                }
-            )*
-        }
-        mod sqlite {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-                async fn $test() {
-                    if let Some(store) = <idempotency::store::sqlite::SqliteStore as $crate::common::Harness>::open().await {
-                        super::$test(store).await;
-                    }
-                }
-            )*
-        }
-        mod mysql {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-                async fn $test() {
-                    if let Some(store) = <idempotency::store::mysql::MySqlStore as $crate::common::Harness>::open().await {
-                        super::$test(store).await;
-                    }
-                }
-            )*
-        }
-    };
-}
-
-maintenance_tests!(
+// Every store implements `Maintenance`, so the shared per-backend macro serves.
+backend_tests!(
     purge_removes_only_expired_keys_in_batches,
     concurrent_purges_delete_each_row_once,
     large_purge_runs_beside_a_busy_writer,
