@@ -1,7 +1,8 @@
-//! sqlx 0.8's SQLite worker can acknowledge a `BEGIN` after its caller was cancelled: the pooled
-//! connection then comes back with an open transaction nobody owns, and the next `BEGIN IMMEDIATE`
-//! fails with "attempted to call begin_with at non-zero transaction depth". The store must hand
-//! out a clean transaction anyway.
+//! sqlx 0.8's SQLite worker can acknowledge a `BEGIN IMMEDIATE` after its caller was cancelled:
+//! the pooled connection then holds the write lock in a transaction nobody owns, and every later
+//! writer waits out its busy timeout ("database is locked"). Seen in CI on a loaded machine (3 of 4
+//! runs fail without the fix under two busy loops); the store begins in a task of its own, so a
+//! cancelled caller cannot strand a transaction.
 
 use idempotency::store::{sqlite::SqliteStore, Store};
 use std::time::Duration;

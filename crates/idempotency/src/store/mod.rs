@@ -372,3 +372,20 @@ mod tests {
         );
     }
 }
+
+/// Begins a transaction in a task of its own, so that cancelling the caller mid-`BEGIN` cannot
+/// leave a transaction open on a pooled connection. sqlx 0.8 may acknowledge a `BEGIN` after its
+/// caller was dropped, which leaves an open transaction nobody owns (on SQLite it holds the write
+/// lock for good). The task always runs to the end, and a transaction its caller no longer waits
+/// for is dropped there, which rolls it back.
+pub(crate) async fn begin_uncancellable<DB, F>(
+    begin: F,
+) -> Result<sqlx::Transaction<'static, DB>, StoreError>
+where
+    DB: sqlx::Database,
+    F: Future<Output = Result<sqlx::Transaction<'static, DB>, StoreError>> + Send + 'static,
+{
+    tokio::spawn(begin)
+        .await
+        .map_err(|_| StoreError::Database(sqlx::Error::WorkerCrashed))?
+}

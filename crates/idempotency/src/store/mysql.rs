@@ -371,7 +371,8 @@ impl Store for MySqlStore {
     }
 
     async fn begin(&self) -> Result<Transaction<'static, MySql>, StoreError> {
-        Ok(self.pool.begin().await?)
+        let pool = self.pool.clone();
+        super::begin_uncancellable(async move { Ok(pool.begin().await?) }).await
     }
 
     async fn complete(

@@ -258,7 +258,8 @@ impl Store for PgStore {
     }
 
     async fn begin(&self) -> Result<Transaction<'static, Postgres>, StoreError> {
-        Ok(self.pool.begin().await?)
+        let pool = self.pool.clone();
+        super::begin_uncancellable(async move { Ok(pool.begin().await?) }).await
     }
 
     async fn complete(

@@ -265,15 +265,21 @@ impl Store for SqliteStore {
     }
 
     async fn begin(&self) -> Result<Transaction<'static, Sqlite>, StoreError> {
-        let mut conn = self.pool.acquire().await?;
-        // A connection must never carry a transaction into the pool, but if one does (a
-        // transaction leaked by a caller, or a BEGIN acknowledged after its caller was cancelled),
-        // `BEGIN IMMEDIATE` would fail with "non-zero transaction depth": roll the orphan back.
-        while <Sqlite as sqlx::Database>::TransactionManager::get_transaction_depth(&conn) > 0 {
-            tracing::warn!("rolling back a transaction left open on a pooled SQLite connection");
-            <Sqlite as sqlx::Database>::TransactionManager::rollback(&mut conn).await?;
-        }
-        Ok(Transaction::begin(conn, Some("BEGIN IMMEDIATE".into())).await?)
+        let pool = self.pool.clone();
+        super::begin_uncancellable(async move {
+            let mut conn = pool.acquire().await?;
+            // A connection must never carry a transaction into the pool, but if one does (a
+            // transaction leaked by a caller), `BEGIN IMMEDIATE` would fail with "non-zero
+            // transaction depth": roll the orphan back.
+            while <Sqlite as sqlx::Database>::TransactionManager::get_transaction_depth(&conn) > 0 {
+                tracing::warn!(
+                    "rolling back a transaction left open on a pooled SQLite connection"
+                );
+                <Sqlite as sqlx::Database>::TransactionManager::rollback(&mut conn).await?;
+            }
+            Ok(Transaction::begin(conn, Some("BEGIN IMMEDIATE".into())).await?)
+        })
+        .await
     }
 
     async fn complete(
