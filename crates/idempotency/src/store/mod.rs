@@ -361,18 +361,6 @@ pub(crate) fn statements(sql: &str) -> Vec<String> {
         .collect()
 }
 
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn splits_statements_and_drops_comments() {
-        let sql = "-- a comment; with a semicolon\nCREATE TABLE a (x INT);\n\n-- another\nCREATE INDEX i ON a (x);\n";
-        assert_eq!(
-            super::statements(sql),
-            vec!["CREATE TABLE a (x INT)", "CREATE INDEX i ON a (x)"]
-        );
-    }
-}
-
 /// Begins a transaction in a task of its own, so that cancelling the caller mid-`BEGIN` cannot
 /// leave a transaction open on a pooled connection. sqlx 0.8 may acknowledge a `BEGIN` after its
 /// caller was dropped, which leaves an open transaction nobody owns (on SQLite it holds the write
@@ -388,4 +376,16 @@ where
     tokio::spawn(begin)
         .await
         .map_err(|_| StoreError::Database(sqlx::Error::WorkerCrashed))?
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn splits_statements_and_drops_comments() {
+        let sql = "-- a comment; with a semicolon\nCREATE TABLE a (x INT);\n\n-- another\nCREATE INDEX i ON a (x);\n";
+        assert_eq!(
+            super::statements(sql),
+            vec!["CREATE TABLE a (x INT)", "CREATE INDEX i ON a (x)"]
+        );
+    }
 }
