@@ -100,6 +100,26 @@ async fn ensure_user(tx: &mut Tx, user: &str) -> Result<(), Problem> {
 
 /// Takes `amount` from the balance only if it covers it (a conditional UPDATE, so two
 /// concurrent debits can never overdraw). On refusal, the problem carries the balance.
+/// Inserts an unpaid order for `user` inside the business transaction; returns its id.
+async fn insert_unpaid_order(
+    tx: &mut Tx,
+    user: &str,
+    request: &OrderRequest,
+    amount: i64,
+) -> Result<i64, Problem> {
+    Ok(on_conn!(tx.conn(), |c| sqlx::query_scalar(
+        "INSERT INTO shop_orders (user_id, sku, quantity, amount_cents, status)
+         VALUES ($1, $2, $3, $4, 'unpaid') RETURNING id"
+    )
+    .bind(user)
+    .bind(&request.sku)
+    .bind(request.quantity)
+    .bind(amount)
+    .fetch_one(&mut *c)
+    .await
+    .map_err(|e| Problem::database(&e))?))
+}
+
 async fn debit(tx: &mut Tx, user: &str, amount: i64) -> Result<(), Problem> {
     let debited = on_conn!(tx.conn(), |c| sqlx::query(
         "UPDATE shop_users SET balance_cents = balance_cents - $2
@@ -171,17 +191,7 @@ pub async fn purchase(
             p
         }
     })?;
-    let order_id: i64 = on_conn!(tx.conn(), |c| sqlx::query_scalar(
-        "INSERT INTO shop_orders (user_id, sku, quantity, amount_cents, status)
-         VALUES ($1, $2, $3, $4, 'unpaid') RETURNING id"
-    )
-    .bind(&user.0)
-    .bind(&request.sku)
-    .bind(request.quantity)
-    .bind(amount)
-    .fetch_one(&mut *c)
-    .await
-    .map_err(|e| Problem::database(&e))?);
+    let order_id = insert_unpaid_order(tx, &user.0, &request, amount).await?;
     let charge = app
         .payment()
         .charge(&provider_key, &user.0, amount)
@@ -232,17 +242,7 @@ pub async fn create_order(
     let mut guard = slot.lock().await;
     let tx = guard.as_mut().ok_or_else(no_tx)?;
     ensure_user(tx, &user.0).await?;
-    let order_id: i64 = on_conn!(tx.conn(), |c| sqlx::query_scalar(
-        "INSERT INTO shop_orders (user_id, sku, quantity, amount_cents, status)
-         VALUES ($1, $2, $3, $4, 'unpaid') RETURNING id"
-    )
-    .bind(&user.0)
-    .bind(&request.sku)
-    .bind(request.quantity)
-    .bind(amount)
-    .fetch_one(&mut *c)
-    .await
-    .map_err(|e| Problem::database(&e))?);
+    let order_id = insert_unpaid_order(tx, &user.0, &request, amount).await?;
     Ok((
         StatusCode::CREATED,
         Json(json!({
