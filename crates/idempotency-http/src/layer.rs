@@ -340,7 +340,8 @@ impl<S: Store> IdempotencyLayer<S> {
 
     /// Which responses are stored (and replayed to retries) and committed with the handler's
     /// transaction; the others roll it back and release the key so a retry runs again.
-    /// Default: status < 500.
+    /// Default: status < 500. A [`Disposition`](crate::Disposition) in a response's extensions
+    /// overrides this for that response.
     ///
     /// ```no_run
     /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::store::sqlite::SqliteStore>) {

@@ -35,6 +35,9 @@
 //!    response exist together or not at all. A 5xx, a panic, or a dropped connection (the server
 //!    cancels the request future) rolls the transaction back and **releases** the key, so a retry
 //!    runs again.
+//!    A handler that knows better for one response says so with a [`Disposition`] in its
+//!    extensions: `Store` a final refusal (a 402), `Release`, or `Park` the key as *needs
+//!    review* when an outside effect may have happened.
 //!
 //! Protected responses are buffered whole (to be stored), so do not protect streaming routes.
 //!
@@ -64,7 +67,7 @@
 //! # Observability
 //!
 //! Each protected request runs in a `tracing` span `idempotency` with `scope`, `operation` and
-//! `method` (never the body or the key), and counts one `idempotency_requests_total{outcome}`
+//! `method` (never the body or the key), and counts one `idempotency_requests_total{operation, outcome}`
 //! through the `metrics` facade (see [`metrics`](mod@crate::metrics) for the outcomes).
 //!
 //! # Example
@@ -126,6 +129,7 @@
 
 #![warn(missing_docs)]
 
+pub mod disposition;
 pub mod error;
 pub mod header;
 pub mod layer;
@@ -135,6 +139,7 @@ pub mod service;
 pub mod stored;
 pub mod tx;
 
+pub use disposition::Disposition;
 pub use error::IdempotencyRejection;
 pub use layer::{
     IdempotencyLayer, IdempotencyScope, KeyRequirement, MissingScope, DEFAULT_BODY_LIMIT,

@@ -1,4 +1,7 @@
-//! The `idempotency_requests_total{outcome}` counter, through the `metrics` facade.
+//! The `idempotency_requests_total{operation, outcome}` counter, through the `metrics` facade.
+//!
+//! `operation` is the key's operation (by default `METHOD /route/{template}`, so its values are
+//! as few as the routes).
 //!
 //! Install any `metrics` recorder (Prometheus exporter …) to collect it. Outcomes:
 //!
@@ -42,6 +45,7 @@ pub const FAILED: &str = "failed";
 /// See the module table.
 pub const UNPROTECTED: &str = "unprotected";
 
-pub(crate) fn count(outcome: &'static str) {
-    ::metrics::counter!(REQUESTS_TOTAL, "outcome" => outcome).increment(1);
+pub(crate) fn count(operation: &str, outcome: &'static str) {
+    ::metrics::counter!(REQUESTS_TOTAL, "operation" => operation.to_owned(), "outcome" => outcome)
+        .increment(1);
 }

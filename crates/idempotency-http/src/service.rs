@@ -12,6 +12,7 @@ use crate::{
     metrics::{self, count},
     stored::StoredResponse,
     tx::{Returned, TxSlot},
+    Disposition,
 };
 use axum::{body::Body, extract::MatchedPath};
 use bytes::Bytes;
@@ -163,25 +164,29 @@ where
     if !settings.methods.contains(&parts.method) {
         return run_unprotected(&settings, inner, parts, Body::new(body)).await;
     }
+    let operation = operation_name(&settings.operation, &parts);
     let client_key = match key_from_headers(&parts.headers) {
         Ok(Some(key)) => key,
         Ok(None) => match settings.key_requirement {
-            KeyRequirement::Required => return Ok(refuse(IdempotencyRejection::KeyMissing)),
+            KeyRequirement::Required => {
+                return Ok(refuse(&operation, IdempotencyRejection::KeyMissing))
+            }
             KeyRequirement::Optional => {
-                count(metrics::UNPROTECTED);
+                count(&operation, metrics::UNPROTECTED);
                 return run_unprotected(&settings, inner, parts, Body::new(body)).await;
             }
         },
-        Err(invalid) => return Ok(refuse(invalid.into())),
+        Err(invalid) => return Ok(refuse(&operation, invalid.into())),
     };
     // An empty scope is no scope.
     let found = (settings.scope)(&parts).filter(|scope| !scope.is_empty());
     let scope = match (found, &settings.missing_scope) {
         (Some(scope), _) => scope,
         (None, MissingScope::Fixed(scope)) => scope.clone(),
-        (None, MissingScope::Reject) => return Ok(refuse(IdempotencyRejection::ScopeMissing)),
+        (None, MissingScope::Reject) => {
+            return Ok(refuse(&operation, IdempotencyRejection::ScopeMissing))
+        }
     };
-    let operation = operation_name(&settings.operation, &parts);
     let span = tracing::info_span!("idempotency", %scope, %operation, method = %parts.method);
     protect(settings, inner, parts, body, client_key, scope, operation)
         .instrument(span)
@@ -207,19 +212,25 @@ where
     ResBody::Error: Into<BoxError>,
 {
     // The client key was validated with the header; only a bad scope or operation fails here.
-    let key = match IdempotencyKey::new(scope, operation, client_key) {
+    let key = match IdempotencyKey::new(scope, operation.as_str(), client_key) {
         Ok(key) => key,
-        Err(invalid) => return Ok(refuse(IdempotencyRejection::Internal(invalid.to_string()))),
+        Err(invalid) => {
+            return Ok(refuse(
+                &operation,
+                IdempotencyRejection::Internal(invalid.to_string()),
+            ))
+        }
     };
+    let op = operation.as_str();
 
     // The body, within the limit, then what the request asks for. Nothing is reserved yet.
     let body = match read_body(body, &parts.headers, settings.body_limit).await {
         Ok(body) => body,
-        Err(rejection) => return Ok(refuse(rejection)),
+        Err(rejection) => return Ok(refuse(op, rejection)),
     };
     let fingerprint = match fingerprint(&parts, &settings.fingerprint_headers, &body) {
         Ok(fingerprint) => fingerprint,
-        Err(rejection) => return Ok(refuse(rejection)),
+        Err(rejection) => return Ok(refuse(op, rejection)),
     };
     let attempt = Attempt::new(key, fingerprint).effects(settings.effects);
 
@@ -229,18 +240,22 @@ where
         Ok(Reservation::Completed(bytes)) => {
             return Ok(match StoredResponse::from_bytes(&bytes) {
                 Ok(stored) => {
-                    count(metrics::REPLAYED);
+                    count(op, metrics::REPLAYED);
                     tracing::info!(status = stored.status, "replayed stored response");
                     with_retention(&settings, stored.into_replay())
                 }
-                Err(e) => refuse(IdempotencyRejection::Internal(format!(
-                    "stored response unreadable: {e}"
-                ))),
+                Err(e) => refuse(
+                    op,
+                    IdempotencyRejection::Internal(format!("stored response unreadable: {e}")),
+                ),
             });
         }
-        Err(error) => return Ok(refuse(IdempotencyRejection::from_engine(error))),
+        Err(error) => return Ok(refuse(op, IdempotencyRejection::from_engine(error))),
     };
-    let mut lease = HeldLease(Some(lease));
+    let mut lease = HeldLease {
+        lease: Some(lease),
+        operation: op,
+    };
 
     // 2. Run the handler, with the (lazily begun) business transaction in the extensions.
     let slot = TxSlot::new(settings.idempotency.store().clone());
@@ -267,17 +282,28 @@ where
         Returned::NotBegun => None,
         Returned::StillLent => {
             lease.release("the handler kept its transaction").await;
-            return Ok(refuse(IdempotencyRejection::Internal(
-                "the handler kept IdempotentTx past its response".into(),
-            )));
+            return Ok(refuse(
+                op,
+                IdempotencyRejection::Internal(
+                    "the handler kept IdempotentTx past its response".into(),
+                ),
+            ));
         }
     };
-    let (response_parts, response_body) = response.into_parts();
-    if !(settings.store_response_if)(response_parts.status) {
+    let (mut response_parts, response_body) = response.into_parts();
+    // The handler's own word first, then the layer's policy by status.
+    let after = match response_parts.extensions.remove::<Disposition>() {
+        Some(Disposition::Store) => None,
+        Some(Disposition::Release) => Some(AfterError::Release),
+        Some(Disposition::Park(reason)) => Some(AfterError::Park(reason)),
+        None if (settings.store_response_if)(response_parts.status) => None,
+        None => Some((settings.after_unstored)(response_parts.status)),
+    };
+    if let Some(after) = after {
         if let Some(tx) = tx {
             let _ = tx.rollback().await;
         }
-        match (settings.after_unstored)(response_parts.status) {
+        match after {
             AfterError::Release => lease.release("the response is not stored").await,
             AfterError::Park(reason) => lease.park(&reason).await,
         }
@@ -295,9 +321,10 @@ where
         Ok(bytes) => bytes,
         Err(error) => {
             lease.release("the response body failed").await;
-            return Ok(refuse(IdempotencyRejection::Internal(format!(
-                "response body: {error}"
-            ))));
+            return Ok(refuse(
+                op,
+                IdempotencyRejection::Internal(format!("response body: {error}")),
+            ));
         }
     };
     let stored = StoredResponse::capture(
@@ -314,20 +341,20 @@ where
             Ok(tx) => tx,
             Err(error) => {
                 lease.release("could not begin a transaction").await;
-                return Ok(refuse(IdempotencyRejection::from_engine(error.into())));
+                return Ok(refuse(op, IdempotencyRejection::from_engine(error.into())));
             }
         },
     };
     match lease.take().finish(tx, &stored.to_bytes()).await {
         Ok(()) => {
-            count(metrics::EXECUTED);
+            count(op, metrics::EXECUTED);
             tracing::info!(status = stored.status, "executed and stored response");
             let response = Response::from_parts(response_parts, Body::from(response_body));
             Ok(with_retention(&settings, response))
         }
         Err(error) => {
             tracing::warn!(%error, "could not complete the idempotency key");
-            Ok(refuse(IdempotencyRejection::from_engine(error)))
+            Ok(refuse(op, IdempotencyRejection::from_engine(error)))
         }
     }
 }
@@ -341,7 +368,7 @@ async fn rollback<DB: sqlx::Database>(returned: Returned<DB>) {
 }
 
 /// A request that is not protected: the handler may still use the transaction, committed after a
-/// response the layer would store and rolled back otherwise.
+/// response the layer would store (or one marked [`Disposition::Store`]) and rolled back otherwise.
 async fn run_unprotected<S, Inner, ResBody>(
     settings: &Settings<S>,
     mut inner: Inner,
@@ -354,25 +381,32 @@ where
     ResBody: http_body::Body<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
+    let operation = operation_name(&settings.operation, &parts);
     let slot = TxSlot::new(settings.idempotency.store().clone());
     parts.extensions.insert(slot.clone());
-    let response = inner
+    let mut response = inner
         .call(Request::from_parts(parts, body))
         .await?
         .map(Body::new);
+    let commit = match response.extensions_mut().remove::<Disposition>() {
+        Some(disposition) => disposition == Disposition::Store,
+        None => (settings.store_response_if)(response.status()),
+    };
     match slot.take_back() {
         Returned::NotBegun => Ok(response),
-        Returned::StillLent => Ok(refuse(IdempotencyRejection::Internal(
-            "the handler kept IdempotentTx past its response".into(),
-        ))),
-        Returned::Open(tx) if (settings.store_response_if)(response.status()) => {
-            match tx.commit().await {
-                Ok(()) => Ok(response),
-                Err(error) => Ok(refuse(IdempotencyRejection::from_engine(
-                    idempotency::StoreError::from(error).into(),
-                ))),
-            }
-        }
+        Returned::StillLent => Ok(refuse(
+            &operation,
+            IdempotencyRejection::Internal(
+                "the handler kept IdempotentTx past its response".into(),
+            ),
+        )),
+        Returned::Open(tx) if commit => match tx.commit().await {
+            Ok(()) => Ok(response),
+            Err(error) => Ok(refuse(
+                &operation,
+                IdempotencyRejection::from_engine(idempotency::StoreError::from(error).into()),
+            )),
+        },
         Returned::Open(tx) => {
             let _ = tx.rollback().await;
             Ok(response)
@@ -382,15 +416,18 @@ where
 
 /// The lease while the handler runs. Dropped while still held (the client went away and the
 /// server cancelled the request), the key is released by [`Lease`]'s own drop; this counts it.
-struct HeldLease<S: Store>(Option<Lease<S>>);
+struct HeldLease<'o, S: Store> {
+    lease: Option<Lease<S>>,
+    operation: &'o str,
+}
 
-impl<S: Store> HeldLease<S> {
+impl<S: Store> HeldLease<'_, S> {
     fn take(&mut self) -> Lease<S> {
-        self.0.take().expect("the lease is taken once")
+        self.lease.take().expect("the lease is taken once")
     }
 
     async fn park(&mut self, reason: &str) {
-        count(metrics::PARKED);
+        count(self.operation, metrics::PARKED);
         tracing::warn!(reason, "parking idempotency key for review");
         if let Err(error) = self.take().park(reason).await {
             tracing::error!(%error, "could not park idempotency key; it stays pending until its lease ends");
@@ -398,7 +435,7 @@ impl<S: Store> HeldLease<S> {
     }
 
     async fn release(&mut self, why: &'static str) {
-        count(metrics::RELEASED);
+        count(self.operation, metrics::RELEASED);
         tracing::info!(reason = why, "releasing idempotency key");
         if let Err(error) = self.take().release().await {
             tracing::warn!(%error, "could not release idempotency key; it stays pending until its lease ends");
@@ -406,10 +443,10 @@ impl<S: Store> HeldLease<S> {
     }
 }
 
-impl<S: Store> Drop for HeldLease<S> {
+impl<S: Store> Drop for HeldLease<'_, S> {
     fn drop(&mut self) {
-        if self.0.is_some() {
-            count(metrics::RELEASED);
+        if self.lease.is_some() {
+            count(self.operation, metrics::RELEASED);
             tracing::info!("request cancelled; releasing idempotency key");
         }
     }
@@ -511,8 +548,8 @@ fn with_retention<S: Store>(
     response
 }
 
-fn refuse(rejection: IdempotencyRejection) -> Response<Body> {
-    count(rejection.outcome());
+fn refuse(operation: &str, rejection: IdempotencyRejection) -> Response<Body> {
+    count(operation, rejection.outcome());
     tracing::info!(%rejection, "idempotency layer refused the request");
     rejection.to_problem().into_http_response()
 }

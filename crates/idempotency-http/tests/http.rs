@@ -50,6 +50,7 @@ on_both!(
     other_methods_pass_through,
     lost_lease_rolls_back_the_handlers_rows,
     parked_key_is_409_needs_review,
+    handler_disposition_overrides_the_status_policy,
 );
 
 const TRIALS: usize = 100;
@@ -499,4 +500,55 @@ async fn store_down_is_503_and_the_handler_is_not_run() {
         0,
         "the handler never ran unprotected"
     );
+}
+
+/// `/strict` stores only 2xx, but a handler's [`Disposition`] decides for its own response.
+async fn handler_disposition_overrides_the_status_policy(app: &TestApp) {
+    // Store: a 402 is kept with the handler's rows and replayed byte for byte.
+    let key = new_key();
+    let body = json!({"sku": "refused"});
+    let first = Answer::of(
+        app.post("/strict", "alice", Some(&key), &body)
+            .header("x-disposition", "store-402"),
+    )
+    .await;
+    assert_eq!(first.status, 402, "{first:?}");
+    let replay = Answer::of(app.post("/strict", "alice", Some(&key), &body)).await;
+    assert_eq!(
+        (replay.status, replay.replayed()),
+        (402, true),
+        "{replay:?}"
+    );
+    assert_eq!(replay.body, first.body);
+    assert_eq!(app.db.orders("refused").await, 1, "committed with the key");
+
+    // Release: a 201 is not stored; its rows are rolled back and a retry runs again.
+    let key = new_key();
+    let body = json!({"sku": "released"});
+    let first = Answer::of(
+        app.post("/strict", "alice", Some(&key), &body)
+            .header("x-disposition", "release"),
+    )
+    .await;
+    assert_eq!(first.status, 201);
+    assert_eq!(app.db.orders("released").await, 0, "rolled back");
+    let retry = Answer::of(app.post("/strict", "alice", Some(&key), &body)).await;
+    assert_eq!((retry.status, retry.replayed()), (201, false), "{retry:?}");
+    assert_eq!(app.db.orders("released").await, 1);
+
+    // Park: rolled back, the key needs review, retries are 409.
+    let key = new_key();
+    let body = json!({"sku": "parked"});
+    let before = app.db.keys_in_state("needs_review").await;
+    let first = Answer::of(
+        app.post("/strict", "alice", Some(&key), &body)
+            .header("x-disposition", "park"),
+    )
+    .await;
+    assert_eq!(first.status, 201);
+    assert_eq!(app.db.keys_in_state("needs_review").await, before + 1);
+    assert_eq!(app.db.orders("parked").await, 0, "rolled back");
+    Answer::of(app.post("/strict", "alice", Some(&key), &body))
+        .await
+        .assert_problem(409, types::NEEDS_REVIEW);
 }

@@ -13,7 +13,7 @@ use idempotency::{
     store::{postgres::PgStore, sqlite::SqliteStore, Store},
     Idempotency,
 };
-use idempotency_http::{IdempotencyLayer, IdempotentTx, KeyRequirement};
+use idempotency_http::{Disposition, IdempotencyLayer, IdempotentTx, KeyRequirement};
 use sqlx::{PgPool, Postgres, Sqlite, SqlitePool};
 use std::time::Duration;
 
@@ -107,7 +107,17 @@ async fn create_order<DB: Backend>(
         Some("panic") => panic!("handler panics on purpose"),
         _ => {}
     }
-    (
+    // The handler's own word on the key, overriding the layer's policy by status.
+    let disposition = match header(&headers, "x-disposition") {
+        Some("store-402") => {
+            let body = Json(serde_json::json!({"refused": sku, "nonce": uuid::Uuid::new_v4()}));
+            return (StatusCode::PAYMENT_REQUIRED, Disposition::Store, body).into_response();
+        }
+        Some("release") => Some(Disposition::Release),
+        Some("park") => Some(Disposition::Park("the handler cannot tell".into())),
+        _ => None,
+    };
+    let mut response = (
         StatusCode::CREATED,
         [
             ("location", format!("/orders/{id}")),
@@ -117,7 +127,11 @@ async fn create_order<DB: Backend>(
         ],
         Json(serde_json::json!({"order_id": id, "sku": sku, "nonce": uuid::Uuid::new_v4()})),
     )
-        .into_response()
+        .into_response();
+    if let Some(disposition) = disposition {
+        response.extensions_mut().insert(disposition);
+    }
+    response
 }
 
 /// A handler that never touches the transaction; echoes the held key's parts.
@@ -146,7 +160,7 @@ pub const SHORT_LEASE: Duration = Duration::from_millis(300);
 
 /// The test app: `/orders` (required key), `/optional-orders` (optional key), `/small` (1 KiB
 /// limit), `/short-lease` (300 ms lease), `/payments`
-/// (external effects, 502 parks the key), `/nonce` (no transaction), `/orders/{id}` (POST and PATCH
+/// (external effects, 502 parks the key), `/strict` (only 2xx stored), `/nonce` (no transaction), `/orders/{id}` (POST and PATCH
 /// protected; GET, PUT and DELETE pass through).
 pub fn app<S: Store>(store: S) -> Router
 where
@@ -180,14 +194,18 @@ where
     let external = Router::new()
         .route("/payments", post(create_order::<S::Database>))
         .route_layer(
-            layer(store)
+            layer(store.clone())
                 .effects(idempotency::Effects::External)
                 .on_unstored_response(|status| match status.as_u16() {
                     502 => idempotency::AfterError::Park(format!("provider answered {status}")),
                     _ => idempotency::AfterError::Release,
                 }),
         );
+    let strict = Router::new()
+        .route("/strict", post(create_order::<S::Database>))
+        .route_layer(layer(store.clone()).store_response_if(|status| status.is_success()));
     orders
+        .merge(strict)
         .merge(optional)
         .merge(small)
         .merge(short_lease)
