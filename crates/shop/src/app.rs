@@ -2,11 +2,12 @@
 
 use crate::{
     db::{self, Kind, ProviderDb, ShopDb},
-    guard::{plain_tx, protect, KeyedRoute},
     metrics,
     problem::{Problem, BODY_LIMIT},
+    protect::{keyed, KeyedRoute},
     providers::{Faults, MailProvider, PaymentProvider},
     routes,
+    tx::plain_tx,
 };
 use axum::{
     extract::{DefaultBodyLimit, Request, State},
@@ -37,12 +38,12 @@ pub struct Config {
     pub payment: Faults,
     /// Mail provider faults.
     pub mail: Faults,
-    /// Also mount `POST /unprotected/purchases` (the purchase handler without the guard), for
+    /// Also mount `POST /unprotected/purchases` (the purchase handler without the idempotency middleware), for
     /// the benchmark.
     pub bench_routes: bool,
     /// Size of the shop's connection pool (PostgreSQL).
     pub max_connections: u32,
-    /// Serve `POST /purchases` **without** the guard (a deliberately broken shop, to show that
+    /// Serve `POST /purchases` **without** the idempotency middleware (a deliberately broken shop, to show that
     /// the storm catches double charges).
     pub unguarded_purchases: bool,
     /// How long a request may hold its key before another may take it over (local routes) or
@@ -174,18 +175,17 @@ pub const SEND_EMAIL: KeyedRoute = KeyedRoute {
 
 /// The router of the service.
 pub fn router(app: App, config: &Config) -> Router {
-    let keyed = |route: KeyedRoute| from_fn_with_state((app.clone(), route), protect);
     let plain = from_fn_with_state(app.clone(), plain_tx);
     let purchase = if config.unguarded_purchases {
         post(routes::purchase).layer(plain.clone())
     } else {
-        post(routes::purchase).layer(keyed(PURCHASE))
+        keyed(&app, PURCHASE, post(routes::purchase))
     };
     let mut user_routes = Router::new()
         .route("/purchases", purchase)
         .route(
             "/orders",
-            post(routes::create_order).layer(keyed(CREATE_ORDER)),
+            keyed(&app, CREATE_ORDER, post(routes::create_order)),
         )
         .route("/orders/{id}", get(routes::get_order))
         .route(
@@ -196,7 +196,7 @@ pub fn router(app: App, config: &Config) -> Router {
             "/points/grants",
             post(routes::grant_points).layer(plain.clone()),
         )
-        .route("/emails", post(routes::send_email).layer(keyed(SEND_EMAIL)))
+        .route("/emails", keyed(&app, SEND_EMAIL, post(routes::send_email)))
         .route("/users/{id}/ledger", get(routes::ledger));
     if config.bench_routes {
         user_routes = user_routes.route(

@@ -1,5 +1,5 @@
-//! The benchmark: in one run and on one database, the guarded `POST /purchases` against the
-//! same handler without the guard (`POST /unprotected/purchases`), and a replay against a plain
+//! The benchmark: in one run and on one database, the protected `POST /purchases` against the
+//! same handler without the idempotency middleware (`POST /unprotected/purchases`), and a replay against a plain
 //! indexed read (`GET /orders/{id}`), at each concurrency, on SQLite and PostgreSQL. The four
 //! scenarios are interleaved in rounds so drifts (cache warm-up, autovacuum, the other tenants
 //! of the machine) hit them alike; the ratios are printed, never asserted.
@@ -58,9 +58,9 @@ impl Scenario {
 
     fn name(self) -> &'static str {
         match self {
-            Scenario::Protected => "POST /purchases (guarded, first request)",
-            Scenario::Unprotected => "POST /unprotected/purchases (no guard)",
-            Scenario::Replay => "POST /purchases (guarded, replay)",
+            Scenario::Protected => "POST /purchases (middleware, first request)",
+            Scenario::Unprotected => "POST /unprotected/purchases (no middleware)",
+            Scenario::Replay => "POST /purchases (middleware, replay)",
             Scenario::Read => "GET /orders/{id} (plain indexed read)",
         }
     }

@@ -15,7 +15,7 @@ pub struct Answer {
     pub status: StatusCode,
     /// The JSON body (`Null` when empty or not JSON).
     pub body: Value,
-    /// Whether the guard replayed a stored response (`Idempotent-Replayed: true`).
+    /// Whether the middleware replayed a stored response (`Idempotent-Replayed: true`).
     pub replayed: bool,
     /// `Retry-After` in seconds, if given.
     pub retry_after: Option<u64>,
@@ -25,6 +25,21 @@ impl Answer {
     /// The problem `type`, for problem documents.
     pub fn problem_type(&self) -> Option<&str> {
         self.body.get("type").and_then(Value::as_str)
+    }
+
+    /// Whether this is the problem named `slug`: the last segment of its `type` URI (the shop's
+    /// problems and the middleware's have distinct slugs).
+    ///
+    /// ```
+    /// # use shop::client::Answer;
+    /// let a = Answer { status: reqwest::StatusCode::CONFLICT, replayed: false, retry_after: None,
+    ///     body: serde_json::json!({"type": "https://idempotency.dev/problems/in-progress"}) };
+    /// assert!(a.is_problem("in-progress") && !a.is_problem("progress"));
+    /// ```
+    pub fn is_problem(&self, slug: &str) -> bool {
+        self.problem_type()
+            .and_then(|t| t.rsplit('/').next())
+            .is_some_and(|last| last == slug)
     }
 }
 

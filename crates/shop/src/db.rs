@@ -184,7 +184,7 @@ pub async fn connect(url: &str, max_connections: u32) -> anyhow::Result<(ShopDb,
         Kind::Postgres => {
             let shop = PgPoolOptions::new()
                 .max_connections(max_connections)
-                // Fail fast while the database is unreachable: the guard answers 503 problem
+                // Fail fast while the database is unreachable: the middleware answers 503 problem
                 // JSON (never runs the handler unprotected), and clients retry with the same key.
                 .acquire_timeout(Duration::from_secs(3))
                 .connect(url)

@@ -1,7 +1,8 @@
 //! The demo shop: every defence of the idempotency article working together.
 //!
 //! * **Idempotency-Key** on `POST /purchases`, `POST /orders` and `POST /emails`, reserved
-//!   first (its own commit), completed in the business transaction ([`guard`]);
+//!   first (its own commit), completed in the business transaction, by the `idempotency-http`
+//!   middleware ([`protect`], [`tx`]);
 //! * a **payment provider that honours idempotency keys**, to which our key is passed on, and a
 //!   **mail provider that does not**, whose unknown outcomes park the key ([`providers`]);
 //! * a **guarded state transition** (`POST /orders/{id}/pay`) and a **business unique
@@ -14,9 +15,10 @@ pub mod app;
 pub mod bench;
 pub mod client;
 pub mod db;
-pub mod guard;
 pub mod metrics;
 pub mod problem;
+pub mod protect;
 pub mod providers;
 pub mod routes;
 pub mod storm;
+pub mod tx;

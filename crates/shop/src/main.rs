@@ -24,7 +24,7 @@ struct Cli {
 enum Command {
     /// Hammer the shop with duplicated requests and check every ledger.
     Storm(StormArgs),
-    /// Measure the guard's cost against the same handler without it.
+    /// Measure the middleware's cost against the same handler without it.
     Bench(BenchArgs),
 }
 
@@ -49,10 +49,10 @@ struct ServeArgs {
     /// it over (purchases, orders) or the recovery job may resolve it (e-mails).
     #[arg(long, default_value_t = 30_000)]
     lease_ms: u64,
-    /// Also mount `POST /unprotected/purchases` (the purchase handler without the guard).
+    /// Also mount `POST /unprotected/purchases` (the purchase handler without the idempotency middleware).
     #[arg(long, hide = true)]
     bench_routes: bool,
-    /// Serve `POST /purchases` without the idempotency guard (a deliberately broken shop, to
+    /// Serve `POST /purchases` without the idempotency middleware (a deliberately broken shop, to
     /// show that the storm catches double charges).
     #[arg(long, hide = true)]
     unguarded_purchases: bool,

@@ -1,12 +1,9 @@
-//! Prometheus metrics: the guard's outcome counters, rendered by `GET /metrics`.
+//! Prometheus metrics: the `idempotency-http` middleware's outcome counters
+//! (`idempotency_requests_total{operation, outcome}`, see [`idempotency_http::metrics`]),
+//! rendered by `GET /metrics`.
 
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use std::sync::OnceLock;
-
-/// Counter of guard outcomes, labelled by `operation` and `outcome` (`executed`, `replayed`,
-/// `in_progress`, `key_reused`, `needs_review`, `released`, `parked`, `lease_lost`,
-/// `rejected`, `unavailable`).
-pub const OUTCOMES: &str = "shop_idempotency_outcomes_total";
 
 static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
 
@@ -19,13 +16,11 @@ pub fn handle() -> PrometheusHandle {
             // Another recorder may already be installed (a host process); then ours only renders
             // what it recorded, which is nothing: acceptable for a demo.
             let _ = metrics::set_global_recorder(recorder);
-            metrics::describe_counter!(OUTCOMES, "Idempotency guard outcomes by operation");
+            metrics::describe_counter!(
+                idempotency_http::metrics::REQUESTS_TOTAL,
+                "Requests through the idempotency middleware, by operation and outcome"
+            );
             handle
         })
         .clone()
-}
-
-/// Counts one guard outcome.
-pub fn outcome(operation: &'static str, outcome: &'static str) {
-    metrics::counter!(OUTCOMES, "operation" => operation, "outcome" => outcome).increment(1);
 }

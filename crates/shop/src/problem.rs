@@ -1,5 +1,5 @@
-//! `application/problem+json` (RFC 9457) answers, and what the idempotency guard should do with
-//! the key when a handler answers with one.
+//! `application/problem+json` (RFC 9457) answers, and what the idempotency layer should do with
+//! the key when a handler answers with one ([`Disposition`]).
 
 use axum::{
     extract::{rejection::JsonRejection, FromRequest, Request},
@@ -7,24 +7,20 @@ use axum::{
     response::{IntoResponse, Response},
     Json,
 };
+pub use idempotency_http::Disposition;
 use serde::de::DeserializeOwned;
 use serde_json::{json, Map, Value};
 
 /// The media type of a problem document.
 pub const PROBLEM_JSON: &str = "application/problem+json";
 
-/// What the idempotency guard does with the key of a request, set by the handler as a response
-/// extension. Without one, a 2xx answer is stored and anything else releases the key.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Disposition {
-    /// A definitive answer (success or business refusal): commit it with the business rows and
-    /// replay it to every retry.
-    Store,
-    /// Nothing happened that a retry could duplicate: roll back and release the key.
-    Release,
-    /// An outside effect may have happened: roll back and park the key as *needs review*.
-    Park(String),
-}
+/// The base of the shop's problem `type` URIs (the middleware's own problems are
+/// [`idempotency_http::problem::types`], under `https://idempotency.dev/problems/`).
+///
+/// ```
+/// assert_eq!(shop::problem::TYPE_BASE, "https://idempotency.dev/problems/shop/");
+/// ```
+pub const TYPE_BASE: &str = "https://idempotency.dev/problems/shop/";
 
 /// An RFC 9457 problem, answered with its status.
 ///
@@ -48,7 +44,7 @@ struct ProblemBody {
 }
 
 impl Problem {
-    /// A problem with a status, a short slug (the `type` is `/problems/{slug}`), a title and a
+    /// A problem with a status, a short slug (the `type` is [`TYPE_BASE`] + slug), a title and a
     /// human-readable detail.
     pub fn new(
         status: StatusCode,
@@ -137,7 +133,7 @@ impl IntoResponse for Problem {
     fn into_response(self) -> Response {
         let this = *self.0;
         let mut body = json!({
-            "type": format!("/problems/{}", this.slug),
+            "type": format!("{TYPE_BASE}{}", this.slug),
             "title": this.title,
             "status": this.status.as_u16(),
             "detail": this.detail,

@@ -10,17 +10,17 @@
 
 use crate::{
     app::{App, UserId, START_BALANCE_CENTS},
-    db::Tx,
-    guard::{HeldKey, TxSlot},
     on_conn,
     problem::{JsonBody, Problem},
     providers::ProviderError,
+    tx::BusinessTx,
 };
 use axum::{
     extract::{rejection::PathRejection, Path, State},
     http::StatusCode,
     Extension, Json,
 };
+use idempotency::IdempotencyKey;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
@@ -85,7 +85,7 @@ fn path_problem(rejection: PathRejection) -> Problem {
 }
 
 /// Creates the user with the start balance if it is new.
-async fn ensure_user(tx: &mut Tx, user: &str) -> Result<(), Problem> {
+async fn ensure_user(tx: &mut BusinessTx, user: &str) -> Result<(), Problem> {
     on_conn!(tx.conn(), |c| sqlx::query(
         "INSERT INTO shop_users (id, balance_cents) VALUES ($1, $2) ON CONFLICT (id) DO NOTHING"
     )
@@ -98,11 +98,9 @@ async fn ensure_user(tx: &mut Tx, user: &str) -> Result<(), Problem> {
     Ok(())
 }
 
-/// Takes `amount` from the balance only if it covers it (a conditional UPDATE, so two
-/// concurrent debits can never overdraw). On refusal, the problem carries the balance.
 /// Inserts an unpaid order for `user` inside the business transaction; returns its id.
 async fn insert_unpaid_order(
-    tx: &mut Tx,
+    tx: &mut BusinessTx,
     user: &str,
     request: &OrderRequest,
     amount: i64,
@@ -120,7 +118,9 @@ async fn insert_unpaid_order(
     .map_err(|e| Problem::database(&e))?))
 }
 
-async fn debit(tx: &mut Tx, user: &str, amount: i64) -> Result<(), Problem> {
+/// Takes `amount` from the balance only if it covers it (a conditional UPDATE, so two
+/// concurrent debits can never overdraw). On refusal, the problem carries the balance.
+async fn debit(tx: &mut BusinessTx, user: &str, amount: i64) -> Result<(), Problem> {
     let debited = on_conn!(tx.conn(), |c| sqlx::query(
         "UPDATE shop_users SET balance_cents = balance_cents - $2
          WHERE id = $1 AND balance_cents >= $2"
@@ -165,33 +165,31 @@ fn payment_problem(error: ProviderError) -> Problem {
 }
 
 /// `POST /purchases`: debit, create the order, charge the provider with our key, mark the
-/// order paid and record the purchase, all in the guard's transaction.
+/// order paid and record the purchase, all in the middleware's transaction.
 pub async fn purchase(
     State(app): State<App>,
     Extension(user): Extension<UserId>,
-    key: Option<Extension<HeldKey>>,
-    slot: TxSlot,
+    key: Option<Extension<IdempotencyKey>>,
+    mut tx: BusinessTx,
     JsonBody(request): JsonBody<OrderRequest>,
 ) -> Answer {
     let amount = request.amount_cents()?;
     // The provider receives our own key (user/operation/key), so a retry after an unknown
     // outcome returns the same charge. (The unprotected bench route has no key.)
     let provider_key = match key {
-        Some(Extension(HeldKey(key))) => format!("shop:{key}"),
+        Some(Extension(key)) => format!("shop:{key}"),
         None => format!("unprotected:{}", uuid::Uuid::new_v4()),
     };
-    let mut guard = slot.lock().await;
-    let tx = guard.as_mut().ok_or_else(no_tx)?;
-    ensure_user(tx, &user.0).await?;
+    ensure_user(&mut tx, &user.0).await?;
     // A refusal is definitive: stored with the key and replayed to every retry.
-    debit(tx, &user.0, amount).await.map_err(|p| {
+    debit(&mut tx, &user.0, amount).await.map_err(|p| {
         if p.status() == StatusCode::PAYMENT_REQUIRED {
             p.definitive()
         } else {
             p
         }
     })?;
-    let order_id = insert_unpaid_order(tx, &user.0, &request, amount).await?;
+    let order_id = insert_unpaid_order(&mut tx, &user.0, &request, amount).await?;
     let charge = app
         .payment()
         .charge(&provider_key, &user.0, amount)
@@ -235,14 +233,12 @@ pub async fn purchase(
 /// `POST /orders`: creates an unpaid order (keyed, local work only).
 pub async fn create_order(
     Extension(user): Extension<UserId>,
-    slot: TxSlot,
+    mut tx: BusinessTx,
     JsonBody(request): JsonBody<OrderRequest>,
 ) -> Answer {
     let amount = request.amount_cents()?;
-    let mut guard = slot.lock().await;
-    let tx = guard.as_mut().ok_or_else(no_tx)?;
-    ensure_user(tx, &user.0).await?;
-    let order_id = insert_unpaid_order(tx, &user.0, &request, amount).await?;
+    ensure_user(&mut tx, &user.0).await?;
+    let order_id = insert_unpaid_order(&mut tx, &user.0, &request, amount).await?;
     Ok((
         StatusCode::CREATED,
         Json(json!({
@@ -292,11 +288,9 @@ pub async fn pay_order(
     State(app): State<App>,
     Extension(user): Extension<UserId>,
     id: Result<Path<i64>, PathRejection>,
-    slot: TxSlot,
+    mut tx: BusinessTx,
 ) -> Answer {
     let Path(id) = id.map_err(path_problem)?;
-    let mut guard = slot.lock().await;
-    let tx = guard.as_mut().ok_or_else(no_tx)?;
     let amount: Option<i64> = on_conn!(tx.conn(), |c| sqlx::query_scalar(
         "UPDATE shop_orders SET status = 'paid'
          WHERE id = $1 AND user_id = $2 AND status = 'unpaid' RETURNING amount_cents"
@@ -323,7 +317,7 @@ pub async fn pay_order(
         body["already_paid"] = json!(true);
         return Ok((StatusCode::OK, Json(body)));
     };
-    debit(tx, &user.0, amount).await?;
+    debit(&mut tx, &user.0, amount).await?;
     // The order id names the payment: a retry after a failure charges the same charge.
     let charge = app
         .payment()
@@ -358,7 +352,7 @@ pub struct GrantRequest {
 /// (`INSERT … ON CONFLICT DO NOTHING`); a duplicate answers 200 with the existing grant.
 pub async fn grant_points(
     Extension(user): Extension<UserId>,
-    slot: TxSlot,
+    mut tx: BusinessTx,
     JsonBody(request): JsonBody<GrantRequest>,
 ) -> Answer {
     if !(1..=100_000).contains(&request.points) {
@@ -371,8 +365,6 @@ pub async fn grant_points(
             ),
         ));
     }
-    let mut guard = slot.lock().await;
-    let tx = guard.as_mut().ok_or_else(no_tx)?;
     let status: Option<String> = on_conn!(tx.conn(), |c| sqlx::query_scalar(
         "SELECT status FROM shop_orders WHERE id = $1 AND user_id = $2"
     )
@@ -452,8 +444,8 @@ pub struct EmailRequest {
 pub async fn send_email(
     State(app): State<App>,
     Extension(user): Extension<UserId>,
-    Extension(HeldKey(key)): Extension<HeldKey>,
-    slot: TxSlot,
+    Extension(key): Extension<IdempotencyKey>,
+    mut tx: BusinessTx,
     JsonBody(request): JsonBody<EmailRequest>,
 ) -> Answer {
     let to = request.to.trim();
@@ -488,8 +480,6 @@ pub async fn send_email(
             .park(format!("mail provider: {e}")))
         }
     };
-    let mut guard = slot.lock().await;
-    let tx = guard.as_mut().ok_or_else(no_tx)?;
     let email_id: i64 = on_conn!(tx.conn(), |c| {
         sqlx::query_scalar(
         "INSERT INTO shop_emails (user_id, recipient, subject, message_id) VALUES ($1, $2, $3, $4) RETURNING id"

@@ -139,16 +139,10 @@ impl Storm {
         let mut call = call.clone();
         for attempt in 0..200 {
             match self.send(&call).await {
-                Ok(a)
-                    if a.status == StatusCode::CONFLICT
-                        && a.problem_type() == Some("/problems/request-in-progress") =>
-                {
+                Ok(a) if a.status == StatusCode::CONFLICT && a.is_problem("in-progress") => {
                     tokio::time::sleep(Duration::from_millis(5 + attempt)).await
                 }
-                Ok(a)
-                    if a.status.is_server_error()
-                        && a.problem_type() != Some("/problems/mail-outcome-unknown") =>
-                {
+                Ok(a) if a.status.is_server_error() && !a.is_problem("mail-outcome-unknown") => {
                     tokio::time::sleep(Duration::from_millis(2)).await
                 }
                 Ok(a) => return Some(a),
@@ -254,8 +248,7 @@ impl Storm {
         let reused = Call::post("/purchases", user, &changed).key(&key);
         match self.until_definitive(&reused).await {
             Some(a)
-                if a.status == StatusCode::UNPROCESSABLE_ENTITY
-                    && a.problem_type() == Some("/problems/idempotency-key-reused") => {}
+                if a.status == StatusCode::UNPROCESSABLE_ENTITY && a.is_problem("key-reused") => {}
             other => self.violation(format!(
                 "{user} purchase {op}: changed payload under a reused key answered {:?}, not 422",
                 other.map(|a| a.status)
@@ -375,12 +368,9 @@ impl Storm {
             .filter(|a| a.status == StatusCode::CREATED)
             .map(|a| &a.body["message_id"])
             .collect();
-        let unknown = answers.iter().any(|a| {
-            matches!(
-                a.problem_type(),
-                Some("/problems/mail-outcome-unknown" | "/problems/needs-review")
-            )
-        });
+        let unknown = answers
+            .iter()
+            .any(|a| a.is_problem("mail-outcome-unknown") || a.is_problem("needs-review"));
         match (sent.len(), unknown) {
             (1, false) => expected.emails_ok += 1,
             (0, true) => expected.emails_parked += 1,

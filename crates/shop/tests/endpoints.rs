@@ -54,7 +54,7 @@ async fn endpoints(kind: &str) {
     // Bad input on the keyed route: nothing is reserved or charged.
     send("POST", &purchases, Some(alice), None, Some(TEA2))
         .await
-        .assert_problem(400, "idempotency-key-missing");
+        .assert_problem(400, "key-missing");
     send(
         "POST",
         &purchases,
@@ -63,7 +63,7 @@ async fn endpoints(kind: &str) {
         Some(TEA2),
     )
     .await
-    .assert_problem(400, "idempotency-key-invalid");
+    .assert_problem(400, "key-invalid");
     send(
         "POST",
         &purchases,
@@ -72,7 +72,7 @@ async fn endpoints(kind: &str) {
         Some("{not json"),
     )
     .await
-    .assert_problem(400, "malformed-json");
+    .assert_problem(400, "body-not-json");
     send(
         "POST",
         &purchases,
@@ -106,7 +106,7 @@ async fn endpoints(kind: &str) {
     );
     send("POST", &purchases, Some(alice), Some(&key()), Some(&big))
         .await
-        .assert_problem(413, "payload-too-large");
+        .assert_problem(413, "body-too-large");
     let start_ledger = ledger(base, alice).await;
     assert_eq!(start_ledger["balance_cents"], 100_000);
     assert_eq!(start_ledger["charges"], json!([]));
@@ -138,7 +138,7 @@ async fn endpoints(kind: &str) {
         Some(r#"{"sku": "tea", "quantity": 3}"#),
     )
     .await
-    .assert_problem(422, "idempotency-key-reused");
+    .assert_problem(422, "key-reused");
     // The same key from another user is another operation.
     let bob = send("POST", &purchases, Some("bob"), Some(&k), Some(TEA2)).await;
     assert_eq!((bob.status, bob.replayed), (201, false), "{bob:?}");
@@ -153,7 +153,7 @@ async fn endpoints(kind: &str) {
     for r in &racing {
         assert!(r.status == 201 || r.status == 409, "{r:?}");
         if r.status == 409 {
-            r.assert_problem(409, "request-in-progress");
+            r.assert_problem(409, "in-progress");
         }
     }
     let ids: HashSet<String> = created
@@ -181,7 +181,7 @@ async fn endpoints(kind: &str) {
     let orders = format!("{base}/orders");
     send("POST", &orders, Some(alice), None, Some(TEA2))
         .await
-        .assert_problem(400, "idempotency-key-missing");
+        .assert_problem(400, "key-missing");
     let k = key();
     let order = send("POST", &orders, Some(alice), Some(&k), Some(TEA2)).await;
     assert_eq!(
@@ -328,7 +328,7 @@ async fn endpoints(kind: &str) {
     let mail = r#"{"to": "alice@example.com", "subject": "Your receipt", "body": "Thanks!"}"#;
     send("POST", &emails, Some(alice), None, Some(mail))
         .await
-        .assert_problem(400, "idempotency-key-missing");
+        .assert_problem(400, "key-missing");
     send(
         "POST",
         &emails,
@@ -373,7 +373,7 @@ async fn endpoints(kind: &str) {
         .await
         .assert_problem(404, "not-found");
 
-    // Metrics: the guard's outcome counters in Prometheus text format.
+    // Metrics: the middleware's outcome counters in Prometheus text format.
     let client = reqwest::Client::new();
     let metrics = client.get(format!("{base}/metrics")).send().await.unwrap();
     assert!(metrics.headers()["content-type"]
@@ -381,10 +381,10 @@ async fn endpoints(kind: &str) {
         .unwrap()
         .starts_with("text/plain"));
     let text = metrics.text().await.unwrap();
-    for outcome in ["executed", "replayed", "key_reused", "rejected"] {
+    for outcome in ["executed", "replayed", "reused", "rejected"] {
         assert!(
             text.contains(&format!(
-                r#"shop_idempotency_outcomes_total{{operation="purchase",outcome="{outcome}"}}"#
+                r#"idempotency_requests_total{{operation="purchase",outcome="{outcome}"}}"#
             )),
             "{outcome} in {text}"
         );

@@ -49,7 +49,7 @@ async fn storm_on_postgres_with_two_processes() {
     assert!(out.contains("(2 processes"), "{out}");
 }
 
-/// The storm is not vacuous: against a shop whose purchases bypass the guard it must report
+/// The storm is not vacuous: against a shop whose purchases bypass the middleware it must report
 /// violations (double charges) and fail.
 #[test]
 fn storm_catches_an_unguarded_shop() {

@@ -1,0 +1,86 @@
+//! The keyed routes: `POST /purchases`, `POST /orders` and `POST /emails` run behind the
+//! `idempotency-http` middleware ([`IdempotencyLayer`]), configured per route by a
+//! [`KeyedRoute`].
+//!
+//! Per request, in the article's order: the layer **reserves** `(user, operation, key)` with
+//! the request's fingerprint (committed on its own); a completed key replays its stored
+//! response, another fingerprint is 422, a key in progress is 409 with `Retry-After`, a parked
+//! key is 409. Otherwise the handler **runs** in the business transaction ([`BusinessTx`]), the
+//! key is **completed** with the response in that transaction, and both commit. A non-2xx
+//! answer rolls back and **releases** the key, unless the handler says otherwise with a
+//! [`Disposition`](idempotency_http::Disposition): a 402 refusal is stored and replayed, an
+//! unknown mail outcome **parks** the key as *needs review*.
+//!
+//! [`BusinessTx`]: crate::tx::BusinessTx
+
+use crate::{
+    app::{App, Engine, UserId},
+    problem::{Problem, BODY_LIMIT},
+};
+use axum::{
+    extract::Request,
+    http::{Method, StatusCode},
+    middleware::{from_fn, Next},
+    response::{IntoResponse, Response},
+    routing::MethodRouter,
+};
+use idempotency::{Effects, Idempotency, Store};
+use idempotency_http::IdempotencyLayer;
+
+/// A keyed route: the operation name that scopes its keys, and what its work touches.
+#[derive(Debug, Clone, Copy)]
+pub struct KeyedRoute {
+    /// Operation part of the key (`"purchase"`).
+    pub operation: &'static str,
+    /// Whether the work calls an outside service that cannot be asked again.
+    pub effects: Effects,
+}
+
+/// The shop's policy for one keyed route: POST only, the key required, scoped by the
+/// authenticated user, the shop's body limit, and only 2xx answers stored by default.
+///
+/// ```no_run
+/// # async fn demo(store: idempotency::store::sqlite::SqliteStore) {
+/// use shop::{app::PURCHASE, protect::layer};
+/// let layer = layer(idempotency::Idempotency::new(store), PURCHASE);
+/// # }
+/// ```
+pub fn layer<S: Store>(engine: Idempotency<S>, route: KeyedRoute) -> IdempotencyLayer<S> {
+    IdempotencyLayer::new(engine)
+        .methods([Method::POST])
+        .operation(route.operation)
+        .effects(route.effects)
+        .scope_from(|parts| parts.extensions.get::<UserId>().map(|user| user.0.clone()))
+        .body_limit(BODY_LIMIT)
+        .store_response_if(|status| status.is_success())
+}
+
+/// Puts `handler` behind the idempotency layer for the shop's backend, and runs each request in
+/// a task of its own: a client that gives up (timeout, closed connection) does not cancel the
+/// work half-way, so it finishes, the key completes, and the client's retry gets the stored
+/// response instead of a 409.
+pub fn keyed(app: &App, route: KeyedRoute, handler: MethodRouter<App>) -> MethodRouter<App> {
+    let protected = match app.engine() {
+        Engine::Pg(engine) => handler.layer(layer(engine.clone(), route)),
+        Engine::Sqlite(engine) => handler.layer(layer(engine.clone(), route)),
+    };
+    protected.layer(from_fn(detached))
+}
+
+async fn detached(request: Request, next: Next) -> Response {
+    tokio::spawn(next.run(request))
+        .await
+        .unwrap_or_else(|e| panicked(&e))
+}
+
+/// The answer when a request's task panicked (the layer has released its key by then).
+pub(crate) fn panicked(error: &tokio::task::JoinError) -> Response {
+    tracing::error!(%error, "request task failed");
+    Problem::new(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "internal",
+        "Internal error",
+        "the request failed; nothing was kept, retry with the same Idempotency-Key",
+    )
+    .into_response()
+}
