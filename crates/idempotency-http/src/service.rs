@@ -241,7 +241,7 @@ where
             return Ok(match StoredResponse::from_bytes(&bytes) {
                 Ok(stored) => {
                     count(op, metrics::REPLAYED);
-                    tracing::info!(status = stored.status, "replayed stored response");
+                    tracing::debug!(status = stored.status, "replayed stored response");
                     with_retention(&settings, stored.into_replay())
                 }
                 Err(e) => refuse(
@@ -348,7 +348,7 @@ where
     match lease.take().finish(tx, &stored.to_bytes()).await {
         Ok(()) => {
             count(op, metrics::EXECUTED);
-            tracing::info!(status = stored.status, "executed and stored response");
+            tracing::debug!(status = stored.status, "executed and stored response");
             let response = Response::from_parts(response_parts, Body::from(response_body));
             Ok(with_retention(&settings, response))
         }

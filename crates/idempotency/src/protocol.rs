@@ -234,17 +234,39 @@ pub struct Idempotency<S> {
     lease: Duration,
     retention: Duration,
     max_retry_after: Duration,
+    replay_first: bool,
 }
 
 impl<S: Store> Idempotency<S> {
-    /// An engine with a 60 s lease and 24 h retention.
+    /// An engine with a 60 s lease, 24 h retention, and replays read first.
     pub fn new(store: S) -> Self {
         Self {
             store,
             lease: Duration::from_secs(60),
             retention: Duration::from_secs(24 * 60 * 60),
             max_retry_after: Duration::from_secs(1),
+            replay_first: true,
         }
+    }
+
+    /// Whether [`reserve`](Self::reserve) first tries a plain read for a stored result
+    /// ([`Store::find_replay`]) before the reserving INSERT (default `true`).
+    ///
+    /// The read makes a replay as cheap as an indexed lookup; it costs a first request one more
+    /// round trip. Turn it off where duplicates are rare and first requests dominate. Either way
+    /// the INSERT alone decides every case the read does not answer.
+    ///
+    /// ```
+    /// # #[cfg(feature = "sqlite")]
+    /// # async fn demo() -> Result<(), idempotency::StoreError> {
+    /// # use idempotency::{store::sqlite::SqliteStore, Idempotency};
+    /// let store = SqliteStore::connect("sqlite::memory:").await?;
+    /// let writes_mostly = Idempotency::new(store).with_replay_first(false);
+    /// # Ok(()) }
+    /// ```
+    pub fn with_replay_first(mut self, replay_first: bool) -> Self {
+        self.replay_first = replay_first;
+        self
     }
 
     /// How long a holder may work before its key may be taken over (local) or recovered.
@@ -289,7 +311,19 @@ impl<S: Store> Idempotency<S> {
     /// * pending with an ended lease: taken over when [`Effects::Local`], else
     ///   [`Error::InProgress`] (the recovery job decides);
     /// * needs review → [`Error::NeedsReview`].
+    ///
+    /// With [`with_replay_first`](Self::with_replay_first) (the default) a completed key with the
+    /// same fingerprint is answered by a plain read, before any INSERT is tried.
     pub async fn reserve(&self, attempt: &Attempt) -> Result<Reservation<S>, Error> {
+        if self.replay_first {
+            if let Some(result) = self
+                .store
+                .find_replay(&attempt.key, &attempt.fingerprint)
+                .await?
+            {
+                return Ok(Reservation::Completed(result));
+            }
+        }
         for _ in 0..RESERVE_ATTEMPTS {
             let row = PendingRow {
                 key: &attempt.key,

@@ -425,6 +425,71 @@ async fn migrate_is_idempotent_and_concurrent<S: Harness>(store: S) {
     }
 }
 
+/// The replay read answers only a completed, unexpired row with the same fingerprint; everything
+/// else is left to the reserving INSERT.
+async fn the_replay_read_answers_only_completed_matching_rows<S: Harness>(store: S) {
+    let idem = Idempotency::new(store.clone()).with_retention(Duration::from_millis(300));
+    let trial = unique("replay-read");
+    let a = attempt("user-1", &trial, json!({"v": 1}));
+    let other = attempt("user-1", &trial, json!({"v": 2}));
+    assert_eq!(
+        store.find_replay(&a.key, &a.fingerprint).await.unwrap(),
+        None
+    );
+    // Pending: nothing to replay yet.
+    let Reservation::Acquired(lease) = idem.reserve(&a).await.unwrap() else {
+        panic!("a new key must be acquired");
+    };
+    assert_eq!(
+        store.find_replay(&a.key, &a.fingerprint).await.unwrap(),
+        None
+    );
+    let tx = store.begin().await.unwrap();
+    lease.finish(tx, b"stored").await.unwrap();
+    assert_eq!(
+        store.find_replay(&a.key, &a.fingerprint).await.unwrap(),
+        Some(b"stored".to_vec())
+    );
+    // Another request under the key, or another scope, reads nothing.
+    assert_eq!(
+        store
+            .find_replay(&other.key, &other.fingerprint)
+            .await
+            .unwrap(),
+        None
+    );
+    let elsewhere = attempt("user-2", &trial, json!({"v": 1}));
+    assert_eq!(
+        store
+            .find_replay(&elsewhere.key, &elsewhere.fingerprint)
+            .await
+            .unwrap(),
+        None
+    );
+    // Past retention (by the database clock) the row is not replayed.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        store.find_replay(&a.key, &a.fingerprint).await.unwrap(),
+        None
+    );
+}
+
+/// With the replay read turned off the INSERT alone answers replays and reused keys.
+async fn without_the_replay_read_the_insert_decides<S: Harness>(store: S) {
+    let idem = Idempotency::new(store.clone()).with_replay_first(false);
+    let trial = unique("insert-decides");
+    let a = attempt("user-1", &trial, json!({"v": 1}));
+    assert!(!purchase(&idem, &a, &trial, 1).await.unwrap().is_replayed());
+    assert_eq!(
+        purchase(&idem, &a, &trial, 2).await.unwrap(),
+        Outcome::Replayed(json!({"trial": trial, "n": 1}))
+    );
+    let b = attempt("user-1", &trial, json!({"v": 2}));
+    let err = purchase(&idem, &b, &trial, 3).await.unwrap_err();
+    assert!(matches!(err, Error::KeyReused), "{err:?}");
+    assert_eq!(store.count_effects(&trial).await, 1);
+}
+
 /// ≥ 200 trials of ≥ 8 tasks racing one new key: the effect happens exactly once per trial.
 async fn concurrent_duplicates_execute_exactly_once<S: Harness>(store: S) {
     race(store, 200, 8).await;
@@ -447,4 +512,6 @@ backend_tests!(
     an_unknown_external_outcome_parks_the_key,
     migrate_is_idempotent_and_concurrent,
     concurrent_duplicates_execute_exactly_once,
+    the_replay_read_answers_only_completed_matching_rows,
+    without_the_replay_read_the_insert_decides,
 );

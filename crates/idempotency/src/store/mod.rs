@@ -291,6 +291,15 @@ pub trait Store: Clone + Send + Sync + 'static {
         key: &IdempotencyKey,
     ) -> impl Future<Output = Result<Option<KeyRecord>, StoreError>> + Send;
 
+    /// The replay path: the stored result of the row, only where it is `completed`, unexpired
+    /// (by the database clock) and carries `fingerprint`; `None` for anything else, which
+    /// [`insert_pending`](Store::insert_pending) then decides. One indexed read, never a write.
+    fn find_replay(
+        &self,
+        key: &IdempotencyKey,
+        fingerprint: &Fingerprint,
+    ) -> impl Future<Output = Result<Option<Vec<u8>>, StoreError>> + Send;
+
     /// Re-reserves a row that may be reused, if it still carries `stale`: a `failed` row, a
     /// `completed` row past its retention, or a `pending` *local* row whose lease ended. Writes
     /// `row` (new token, fingerprint, lease) and returns whether it did.

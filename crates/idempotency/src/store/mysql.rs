@@ -349,6 +349,25 @@ impl Store for MySqlStore {
             .transpose()
     }
 
+    async fn find_replay(
+        &self,
+        key: &IdempotencyKey,
+        fingerprint: &Fingerprint,
+    ) -> Result<Option<Vec<u8>>, StoreError> {
+        let result: Option<Option<Vec<u8>>> = sqlx::query_scalar(
+            "SELECT result FROM idempotency_keys
+              WHERE scope = ? AND operation = ? AND idem_key = ?
+                AND state = 'completed' AND fingerprint = ? AND expires_at > UTC_TIMESTAMP(6)",
+        )
+        .bind(key.scope().as_bytes())
+        .bind(key.operation().as_bytes())
+        .bind(key.key().as_bytes())
+        .bind(fingerprint.as_bytes().as_slice())
+        .fetch_optional(&self.pool)
+        .await?;
+        Ok(result.map(Option::unwrap_or_default))
+    }
+
     async fn take_over(&self, row: &PendingRow<'_>, stale: LeaseToken) -> Result<bool, StoreError> {
         let done = sqlx::query(TAKE_OVER)
             .bind(row.effects.as_str())

@@ -224,6 +224,25 @@ impl Store for PgStore {
             .transpose()
     }
 
+    async fn find_replay(
+        &self,
+        key: &IdempotencyKey,
+        fingerprint: &Fingerprint,
+    ) -> Result<Option<Vec<u8>>, StoreError> {
+        let result: Option<Option<Vec<u8>>> = sqlx::query_scalar(
+            "SELECT result FROM idempotency_keys
+              WHERE scope = $1 AND operation = $2 AND idem_key = $3
+                AND state = 'completed' AND expires_at > now() AND fingerprint = $4",
+        )
+        .bind(key.scope())
+        .bind(key.operation())
+        .bind(key.key())
+        .bind(fingerprint.as_bytes().as_slice())
+        .fetch_optional(&self.pool)
+        .await?;
+        Ok(result.map(Option::unwrap_or_default))
+    }
+
     async fn take_over(&self, row: &PendingRow<'_>, stale: LeaseToken) -> Result<bool, StoreError> {
         let done = sqlx::query(
             "UPDATE idempotency_keys SET

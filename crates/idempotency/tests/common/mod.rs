@@ -218,10 +218,12 @@ pub async fn purchase<S: Harness>(
     .await
 }
 
+/// Races `tasks` tasks on one new key, `trials` times; odd trials without the replay read, so
+/// both ways into the reservation are raced.
 pub async fn race<S: Harness>(store: S, trials: usize, tasks: usize) {
-    let idem = Idempotency::new(store.clone());
     let (mut executed, mut replayed, mut in_progress) = (0, 0, 0);
     for trial in 0..trials {
+        let idem = Idempotency::new(store.clone()).with_replay_first(trial % 2 == 0);
         let trial = format!("{}-{trial}", unique("race"));
         let barrier = Arc::new(tokio::sync::Barrier::new(tasks));
         let handles: Vec<_> = (0..tasks)
