@@ -82,6 +82,7 @@ pub(crate) struct Settings<S> {
     pub(crate) store_response_if: Arc<StatusPredicate>,
     pub(crate) after_unstored: Arc<AfterUnstored>,
     pub(crate) expiry_header: bool,
+    pub(crate) detach: bool,
 }
 
 impl<S: Clone> Clone for Settings<S> {
@@ -100,6 +101,7 @@ impl<S: Clone> Clone for Settings<S> {
             store_response_if: self.store_response_if.clone(),
             after_unstored: self.after_unstored.clone(),
             expiry_header: self.expiry_header,
+            detach: self.detach,
         }
     }
 }
@@ -199,6 +201,7 @@ impl<S: Store> IdempotencyLayer<S> {
                 store_response_if: Arc::new(|status: StatusCode| !status.is_server_error()),
                 after_unstored: Arc::new(|_: StatusCode| AfterError::Release),
                 expiry_header: false,
+                detach: false,
             },
         }
     }
@@ -391,6 +394,27 @@ impl<S: Store> IdempotencyLayer<S> {
     /// ```
     pub fn expiry_header(mut self, enabled: bool) -> Self {
         self.settings.expiry_header = enabled;
+        self
+    }
+
+    /// Runs the handler, once its key is reserved, in a task of its own (default off; needs a
+    /// tokio runtime).
+    ///
+    /// Without it, a client that goes away (timeout, closed connection) makes the server drop
+    /// the request half-way: the business transaction rolls back and a local key is released, so
+    /// the retry runs the work again, but an external call may have been made and its key waits
+    /// for the recovery job. Detached, the work finishes and completes its key whatever the
+    /// client does, and the retry gets the stored response. Replays are read before anything is
+    /// spawned, so they cost no task. (The reservation itself is cancellation-safe either way:
+    /// see [`Idempotency::reserve`].)
+    ///
+    /// ```no_run
+    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::store::sqlite::SqliteStore>) {
+    /// let layer = layer.detach(true);
+    /// # }
+    /// ```
+    pub fn detach(mut self, enabled: bool) -> Self {
+        self.settings.detach = enabled;
         self
     }
 

@@ -154,7 +154,9 @@ async fn route<S, Inner, ReqBody, ResBody>(
 ) -> Result<Response<Body>, Inner::Error>
 where
     S: Store,
-    Inner: Service<Request<Body>, Response = Response<ResBody>>,
+    Inner: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
+    Inner::Future: Send + 'static,
+    Inner::Error: Send + 'static,
     ReqBody: http_body::Body<Data = Bytes> + Send + 'static,
     ReqBody::Error: Into<BoxError>,
     ResBody: http_body::Body<Data = Bytes> + Send + 'static,
@@ -196,8 +198,8 @@ where
 /// Reserve → run → complete | release, for one protected request.
 async fn protect<S, Inner, ReqBody, ResBody>(
     settings: Arc<Settings<S>>,
-    mut inner: Inner,
-    mut parts: Parts,
+    inner: Inner,
+    parts: Parts,
     body: ReqBody,
     client_key: String,
     scope: String,
@@ -205,7 +207,9 @@ async fn protect<S, Inner, ReqBody, ResBody>(
 ) -> Result<Response<Body>, Inner::Error>
 where
     S: Store,
-    Inner: Service<Request<Body>, Response = Response<ResBody>>,
+    Inner: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
+    Inner::Future: Send + 'static,
+    Inner::Error: Send + 'static,
     ReqBody: http_body::Body<Data = Bytes> + Send + 'static,
     ReqBody::Error: Into<BoxError>,
     ResBody: http_body::Body<Data = Bytes> + Send + 'static,
@@ -234,24 +238,103 @@ where
     };
     let attempt = Attempt::new(key, fingerprint).effects(settings.effects);
 
-    // 1. Reserve the key, committed on its own.
-    let lease = match settings.idempotency.reserve(&attempt).await {
-        Ok(Reservation::Acquired(lease)) => lease,
-        Ok(Reservation::Completed(bytes)) => {
-            return Ok(match StoredResponse::from_bytes(&bytes) {
-                Ok(stored) => {
-                    count(op, metrics::REPLAYED);
-                    tracing::debug!(status = stored.status, "replayed stored response");
-                    with_retention(&settings, stored.into_replay())
-                }
-                Err(e) => refuse(
-                    op,
-                    IdempotencyRejection::Internal(format!("stored response unreadable: {e}")),
-                ),
-            });
+    if !settings.detach {
+        // 1. Reserve the key, committed on its own (a replay is read first).
+        let reserved = settings.idempotency.reserve(&attempt).await;
+        return proceed(
+            settings,
+            inner,
+            parts,
+            body,
+            attempt.key,
+            reserved,
+            operation,
+        )
+        .await;
+    }
+    // Detached: a replay is answered here, without a task; the rest runs in a task of its own.
+    let engine = &settings.idempotency;
+    if engine.replays_first() {
+        match engine.replay(&attempt).await {
+            Ok(Some(bytes)) => return Ok(replay(&settings, op, &bytes)),
+            Ok(None) => {}
+            Err(error) => return Ok(refuse(op, IdempotencyRejection::from_engine(error))),
         }
-        Err(error) => return Ok(refuse(op, IdempotencyRejection::from_engine(error))),
+    }
+    let engine = engine.clone().with_replay_first(false);
+    let name = operation.clone();
+    let work = async move {
+        let reserved = engine.reserve(&attempt).await;
+        proceed(settings, inner, parts, body, attempt.key, reserved, name).await
     };
+    match tokio::spawn(work.in_current_span()).await {
+        Ok(answer) => answer,
+        Err(error) if error.is_panic() => std::panic::resume_unwind(error.into_panic()),
+        Err(error) => Ok(refuse(
+            &operation,
+            IdempotencyRejection::Internal(format!("the request's task ended: {error}")),
+        )),
+    }
+}
+
+/// After the reservation: run the handler for an acquired key, replay a completed one, refuse
+/// the rest (422, 409, 503).
+async fn proceed<S, Inner, ResBody>(
+    settings: Arc<Settings<S>>,
+    inner: Inner,
+    parts: Parts,
+    body: Bytes,
+    key: IdempotencyKey,
+    reserved: Result<Reservation<S>, idempotency::Error>,
+    operation: String,
+) -> Result<Response<Body>, Inner::Error>
+where
+    S: Store,
+    Inner: Service<Request<Body>, Response = Response<ResBody>>,
+    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    match reserved {
+        Ok(Reservation::Acquired(lease)) => {
+            execute(settings, inner, parts, body, key, lease, operation).await
+        }
+        Ok(Reservation::Completed(bytes)) => Ok(replay(&settings, &operation, &bytes)),
+        Err(error) => Ok(refuse(&operation, IdempotencyRejection::from_engine(error))),
+    }
+}
+
+/// The stored response, marked as a replay.
+fn replay<S: Store>(settings: &Settings<S>, op: &str, bytes: &[u8]) -> Response<Body> {
+    match StoredResponse::from_bytes(bytes) {
+        Ok(stored) => {
+            count(op, metrics::REPLAYED);
+            tracing::debug!(status = stored.status, "replayed stored response");
+            with_retention(settings, stored.into_replay())
+        }
+        Err(e) => refuse(
+            op,
+            IdempotencyRejection::Internal(format!("stored response unreadable: {e}")),
+        ),
+    }
+}
+
+/// Steps 2 and 3 for a reserved key: run the handler, then complete (or release, or park).
+async fn execute<S, Inner, ResBody>(
+    settings: Arc<Settings<S>>,
+    mut inner: Inner,
+    mut parts: Parts,
+    body: Bytes,
+    key: IdempotencyKey,
+    lease: Lease<S>,
+    operation: String,
+) -> Result<Response<Body>, Inner::Error>
+where
+    S: Store,
+    Inner: Service<Request<Body>, Response = Response<ResBody>>,
+    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    let op = operation.as_str();
     let mut lease = HeldLease {
         lease: Some(lease),
         operation: op,
@@ -261,7 +344,7 @@ where
     let slot = TxSlot::new(settings.idempotency.store().clone());
     parts.extensions.insert(slot.clone());
     // The key, for handlers that pass it on to an idempotent provider.
-    parts.extensions.insert(attempt.key.clone());
+    parts.extensions.insert(key);
     let request = Request::from_parts(parts, Body::from(body));
     let ran = AssertUnwindSafe(inner.call(request)).catch_unwind().await;
     let response = match ran {

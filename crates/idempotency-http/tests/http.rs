@@ -51,6 +51,7 @@ on_both!(
     lost_lease_rolls_back_the_handlers_rows,
     parked_key_is_409_needs_review,
     handler_disposition_overrides_the_status_policy,
+    detached_work_outlives_the_client,
 );
 
 const TRIALS: usize = 100;
@@ -301,6 +302,33 @@ async fn client_disconnect_releases_the_key(app: &TestApp) {
     assert_eq!(retry.status, 201, "{retry:?}");
     assert!(!retry.replayed());
     assert_eq!(app.db.orders("impatient").await, 1);
+}
+
+/// With `detach(true)` a client that gives up does not cancel the work: it finishes, the key
+/// completes, and the retry is a replay (compare `client_disconnect_releases_the_key`).
+async fn detached_work_outlives_the_client(app: &TestApp) {
+    let key = new_key();
+    let body = json!({"sku": "patient"});
+    let slow = app
+        .post("/detached", "alice", Some(&key), &body)
+        .header("x-sleep-ms", "1500")
+        .timeout(Duration::from_millis(300))
+        .send();
+    assert!(slow.await.is_err(), "the client timed out");
+    assert_eq!(app.db.keys_in_state("pending").await, 1, "still working");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while app.db.keys_in_state("completed").await != 1 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the work should complete its key after the client left"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(app.db.orders("patient").await, 1);
+    let retry = Answer::of(app.post("/detached", "alice", Some(&key), &body)).await;
+    assert_eq!(retry.status, 201, "{retry:?}");
+    assert!(retry.replayed());
+    assert_eq!(app.db.orders("patient").await, 1);
 }
 
 async fn body_over_limit_is_413_and_nothing_stored(app: &TestApp) {

@@ -314,16 +314,52 @@ impl<S: Store> Idempotency<S> {
     ///
     /// With [`with_replay_first`](Self::with_replay_first) (the default) a completed key with the
     /// same fingerprint is answered by a plain read, before any INSERT is tried.
+    ///
+    /// Cancellation-safe: the INSERT runs in a task of its own. If the caller is dropped while it
+    /// is in flight (a client hung up), the task finishes it and releases a key it reserved, so
+    /// no key is left pending without a holder until its lease ends.
     pub async fn reserve(&self, attempt: &Attempt) -> Result<Reservation<S>, Error> {
         if self.replay_first {
-            if let Some(result) = self
-                .store
-                .find_replay(&attempt.key, &attempt.fingerprint)
-                .await?
-            {
+            if let Some(result) = self.replay(attempt).await? {
                 return Ok(Reservation::Completed(result));
             }
         }
+        let (answer_tx, answer_rx) = tokio::sync::oneshot::channel();
+        let (engine, attempt) = (self.clone(), attempt.clone());
+        tokio::spawn(async move {
+            let answer = engine.insert_or_read(&attempt).await;
+            if let Err(Ok(Reservation::Acquired(lease))) = answer_tx.send(answer) {
+                // The caller went away; no work ran under this key.
+                if let Err(error) = lease.release().await {
+                    tracing::warn!(%error, key = %attempt.key, "could not release a reservation nobody awaited");
+                }
+            }
+        });
+        answer_rx
+            .await
+            .unwrap_or(Err(Error::Store(StoreError::Database(
+                sqlx::Error::WorkerCrashed,
+            ))))
+    }
+
+    /// The replay read alone ([`Store::find_replay`]): the stored result of a completed,
+    /// unexpired key with the attempt's fingerprint, or `None` (then [`reserve`](Self::reserve)
+    /// decides). It writes nothing, so it may be cancelled at any point.
+    pub async fn replay(&self, attempt: &Attempt) -> Result<Option<Vec<u8>>, Error> {
+        Ok(self
+            .store
+            .find_replay(&attempt.key, &attempt.fingerprint)
+            .await?)
+    }
+
+    /// Whether [`reserve`](Self::reserve) reads for a replay first (see
+    /// [`with_replay_first`](Self::with_replay_first)).
+    pub fn replays_first(&self) -> bool {
+        self.replay_first
+    }
+
+    /// The reserving INSERT and, on conflict, the decision on the existing row.
+    async fn insert_or_read(&self, attempt: &Attempt) -> Result<Reservation<S>, Error> {
         for _ in 0..RESERVE_ATTEMPTS {
             let row = PendingRow {
                 key: &attempt.key,

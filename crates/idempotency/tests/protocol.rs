@@ -490,6 +490,53 @@ async fn without_the_replay_read_the_insert_decides<S: Harness>(store: S) {
     assert_eq!(store.count_effects(&trial).await, 1);
 }
 
+/// A caller dropped while its reservation is in flight (a client hung up) leaves no key pending:
+/// the INSERT finishes in its own task and a key it reserved is released. Timeouts from 0 to
+/// 2 ms cut 200 reservations at every point of their round trip.
+async fn a_cancelled_reservation_leaves_no_pending_key<S: Harness>(store: S) {
+    let idem = Idempotency::new(store.clone());
+    let trial = unique("cut-reserve");
+    let (mut cut, mut acquired) = (0, 0);
+    let mut keys = Vec::new();
+    for i in 0..200u64 {
+        let a =
+            attempt("user-1", &format!("{trial}-{i}"), json!({"i": i})).effects(if i % 2 == 0 {
+                Effects::Local
+            } else {
+                Effects::External
+            });
+        match tokio::time::timeout(Duration::from_micros(i * 10), idem.reserve(&a)).await {
+            Err(_elapsed) => cut += 1,
+            Ok(Ok(Reservation::Acquired(lease))) => {
+                acquired += 1;
+                assert!(lease.release().await.unwrap());
+            }
+            Ok(Ok(Reservation::Completed(_))) => panic!("a new key cannot be completed"),
+            Ok(Err(error)) => panic!("a new key must be acquired, got {error:?}"),
+        }
+        keys.push(a.key);
+    }
+    assert!(cut > 0, "no reservation was cut; the test proves nothing");
+    let mut left = keys.len();
+    for _ in 0..100 {
+        left = 0;
+        for key in &keys {
+            if store.find(key).await.unwrap().is_some() {
+                left += 1;
+            }
+        }
+        if left == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    eprintln!(
+        "{}: {cut} reservations cut, {acquired} acquired, {left} keys left",
+        S::NAME
+    );
+    assert_eq!(left, 0, "keys left pending by cancelled reservations");
+}
+
 /// ≥ 200 trials of ≥ 8 tasks racing one new key: the effect happens exactly once per trial.
 async fn concurrent_duplicates_execute_exactly_once<S: Harness>(store: S) {
     race(store, 200, 8).await;
@@ -514,4 +561,5 @@ backend_tests!(
     concurrent_duplicates_execute_exactly_once,
     the_replay_read_answers_only_completed_matching_rows,
     without_the_replay_read_the_insert_decides,
+    a_cancelled_reservation_leaves_no_pending_key,
 );

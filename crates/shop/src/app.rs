@@ -22,6 +22,7 @@ use idempotency::{
     Effects, Idempotency,
 };
 use std::{net::SocketAddr, sync::Arc, time::Duration};
+use tower_http::catch_panic::CatchPanicLayer;
 
 /// Every user's balance before their first purchase.
 pub const START_BALANCE_CENTS: i64 = 100_000;
@@ -218,6 +219,10 @@ pub fn router(app: App, config: &Config) -> Router {
             )
         })
         .layer(DefaultBodyLimit::max(BODY_LIMIT))
+        // A panicking handler answers 500 problem JSON instead of closing the connection.
+        .layer(CatchPanicLayer::custom(|_| {
+            Problem::panicked().into_response()
+        }))
         .with_state(app)
 }
 

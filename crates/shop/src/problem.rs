@@ -82,6 +82,21 @@ impl Problem {
         Self::new(StatusCode::NOT_FOUND, "not-found", "Not found", detail)
     }
 
+    /// 500 for a request whose handler panicked (its transaction rolled back, its key released).
+    ///
+    /// ```
+    /// assert_eq!(shop::problem::Problem::panicked().status(), 500);
+    /// ```
+    pub fn panicked() -> Self {
+        tracing::error!("a request handler panicked");
+        Self::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            "Internal error",
+            "the request failed; nothing was kept, retry with the same Idempotency-Key",
+        )
+    }
+
     /// 500 for a database failure (details are logged, not shown).
     pub fn database(error: &sqlx::Error) -> Self {
         tracing::error!(%error, "database error");

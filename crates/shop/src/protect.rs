@@ -15,15 +15,9 @@
 
 use crate::{
     app::{App, Engine, UserId},
-    problem::{Problem, BODY_LIMIT},
+    problem::BODY_LIMIT,
 };
-use axum::{
-    extract::Request,
-    http::{Method, StatusCode},
-    middleware::{from_fn, Next},
-    response::{IntoResponse, Response},
-    routing::MethodRouter,
-};
+use axum::{http::Method, routing::MethodRouter};
 use idempotency::{Effects, Idempotency, Store};
 use idempotency_http::IdempotencyLayer;
 
@@ -53,34 +47,16 @@ pub fn layer<S: Store>(engine: Idempotency<S>, route: KeyedRoute) -> Idempotency
         .scope_from(|parts| parts.extensions.get::<UserId>().map(|user| user.0.clone()))
         .body_limit(BODY_LIMIT)
         .store_response_if(|status| status.is_success())
+        // Once reserved, the work runs in a task of its own: a client that gives up (timeout,
+        // closed connection) does not cancel it half-way, so it finishes, the key completes,
+        // and the client's retry gets the stored response instead of a 409.
+        .detach(true)
 }
 
-/// Puts `handler` behind the idempotency layer for the shop's backend, and runs each request in
-/// a task of its own: a client that gives up (timeout, closed connection) does not cancel the
-/// work half-way, so it finishes, the key completes, and the client's retry gets the stored
-/// response instead of a 409.
+/// Puts `handler` behind the idempotency layer for the shop's backend.
 pub fn keyed(app: &App, route: KeyedRoute, handler: MethodRouter<App>) -> MethodRouter<App> {
-    let protected = match app.engine() {
+    match app.engine() {
         Engine::Pg(engine) => handler.layer(layer(engine.clone(), route)),
         Engine::Sqlite(engine) => handler.layer(layer(engine.clone(), route)),
-    };
-    protected.layer(from_fn(detached))
-}
-
-async fn detached(request: Request, next: Next) -> Response {
-    tokio::spawn(next.run(request))
-        .await
-        .unwrap_or_else(|e| panicked(&e))
-}
-
-/// The answer when a request's task panicked (the layer has released its key by then).
-pub(crate) fn panicked(error: &tokio::task::JoinError) -> Response {
-    tracing::error!(%error, "request task failed");
-    Problem::new(
-        StatusCode::INTERNAL_SERVER_ERROR,
-        "internal",
-        "Internal error",
-        "the request failed; nothing was kept, retry with the same Idempotency-Key",
-    )
-    .into_response()
+    }
 }

@@ -101,7 +101,7 @@ impl FromRequestParts<App> for BusinessTx {
 pub async fn plain_tx(State(app): State<App>, request: Request, next: Next) -> Response {
     tokio::spawn(in_plain_tx(app, request, next))
         .await
-        .unwrap_or_else(|e| crate::protect::panicked(&e))
+        .unwrap_or_else(|_| Problem::panicked().into_response())
 }
 
 async fn in_plain_tx(app: App, mut request: Request, next: Next) -> Response {

@@ -160,7 +160,8 @@ pub const SHORT_LEASE: Duration = Duration::from_millis(300);
 
 /// The test app: `/orders` (required key), `/optional-orders` (optional key), `/small` (1 KiB
 /// limit), `/short-lease` (300 ms lease), `/payments`
-/// (external effects, 502 parks the key), `/strict` (only 2xx stored), `/nonce` (no transaction), `/orders/{id}` (POST and PATCH
+/// (external effects, 502 parks the key), `/strict` (only 2xx stored), `/detached` (the work runs in
+/// a task of its own), `/nonce` (no transaction), `/orders/{id}` (POST and PATCH
 /// protected; GET, PUT and DELETE pass through).
 pub fn app<S: Store>(store: S) -> Router
 where
@@ -204,8 +205,12 @@ where
     let strict = Router::new()
         .route("/strict", post(create_order::<S::Database>))
         .route_layer(layer(store.clone()).store_response_if(|status| status.is_success()));
+    let detached = Router::new()
+        .route("/detached", post(create_order::<S::Database>))
+        .route_layer(layer(store.clone()).detach(true));
     orders
         .merge(strict)
+        .merge(detached)
         .merge(optional)
         .merge(small)
         .merge(short_lease)
