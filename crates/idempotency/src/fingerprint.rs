@@ -107,7 +107,9 @@ impl FingerprintBuilder {
     /// Adds a part that is a JSON document, canonicalised first.
     pub fn json_part(self, label: &str, json: &[u8]) -> Result<Self, serde_json::Error> {
         let value: serde_json::Value = serde_json::from_slice(json)?;
-        Ok(self.part(label, &canonical_json(&value)?))
+        let mut canonical = Vec::with_capacity(json.len());
+        write_canonical(&value, &mut canonical)?;
+        Ok(self.part(label, &canonical))
     }
 
     /// The fingerprint of all parts added.
