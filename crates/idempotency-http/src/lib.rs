@@ -41,6 +41,12 @@
 //!
 //! Protected responses are buffered whole (to be stored), so do not protect streaming routes.
 //!
+//! A client that hangs up cancels the request. A reservation in flight is finished and
+//! released in the background (see [`idempotency::Idempotency::reserve`]); a handler that was
+//! running is dropped, its transaction rolls back and a local key is released, so the retry runs
+//! it again. With [`IdempotencyLayer::detach`] the handler runs in a task of its own instead and
+//! finishes whatever the client does; its retry gets the stored response.
+//!
 //! Refusals are `application/problem+json` (RFC 9457, [`Problem`], [`problem::types`]).
 //!
 //! # Handlers that do not take the transaction
