@@ -200,6 +200,32 @@ impl<S: Store> Drop for Lease<S> {
     }
 }
 
+/// A reservation on its way from the reserving task to its caller. Dropped before the caller
+/// took it (the caller was cancelled), it releases an acquired key: no work ran under it, so
+/// this holds for external work too, which a dropped [`Lease`] would leave pending.
+struct Unclaimed<S: Store>(Option<Result<Reservation<S>, Error>>);
+
+impl<S: Store> Drop for Unclaimed<S> {
+    fn drop(&mut self) {
+        let Some(Ok(Reservation::Acquired(lease))) = self.0.take() else {
+            return;
+        };
+        let key = lease.key.clone();
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                runtime.spawn(async move {
+                    if let Err(error) = lease.release().await {
+                        tracing::warn!(%error, %key, "could not release a reservation nobody awaited");
+                    }
+                });
+            }
+            Err(_) => {
+                tracing::warn!(%key, "reservation dropped outside a tokio runtime; the key stays pending until its lease ends")
+            }
+        }
+    }
+}
+
 /// The engine: a store plus the lease and retention policy.
 ///
 /// ```no_run
@@ -328,18 +354,16 @@ impl<S: Store> Idempotency<S> {
         let (engine, attempt) = (self.clone(), attempt.clone());
         tokio::spawn(async move {
             let answer = engine.insert_or_read(&attempt).await;
-            if let Err(Ok(Reservation::Acquired(lease))) = answer_tx.send(answer) {
-                // The caller went away; no work ran under this key.
-                if let Err(error) = lease.release().await {
-                    tracing::warn!(%error, key = %attempt.key, "could not release a reservation nobody awaited");
-                }
-            }
+            // If the caller is gone, the answer is dropped here (or in the channel, if the caller
+            // goes between this send and its receipt), and `Unclaimed` releases the key.
+            let _ = answer_tx.send(Unclaimed(Some(answer)));
         });
-        answer_rx
-            .await
-            .unwrap_or(Err(Error::Store(StoreError::Database(
+        match answer_rx.await {
+            Ok(mut unclaimed) => unclaimed.0.take().expect("claimed once"),
+            Err(_) => Err(Error::Store(StoreError::Database(
                 sqlx::Error::WorkerCrashed,
-            ))))
+            ))),
+        }
     }
 
     /// The replay read alone ([`Store::find_replay`]): the stored result of a completed,

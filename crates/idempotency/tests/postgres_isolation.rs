@@ -48,3 +48,30 @@ async fn race_under_repeatable_read_default() {
         common::race(store, 200, 8).await;
     }
 }
+
+/// The key columns compare byte by byte (migration 2), whatever the database's locale.
+#[tokio::test]
+async fn key_columns_collate_as_bytes() {
+    let Some(store) = <PgStore as Harness>::open().await else {
+        return;
+    };
+    let collations: Vec<(String, Option<String>)> = sqlx::query_as(
+        "SELECT column_name::TEXT, collation_name::TEXT FROM information_schema.columns
+          WHERE table_name = 'idempotency_keys'
+            AND column_name IN ('scope', 'operation', 'idem_key')
+          ORDER BY column_name",
+    )
+    .fetch_all(store.pool())
+    .await
+    .unwrap();
+    assert_eq!(collations.len(), 3, "{collations:?}");
+    for (column, collation) in collations {
+        assert_eq!(collation.as_deref(), Some("C"), "{column}");
+    }
+    let applied: Vec<i64> =
+        sqlx::query_scalar("SELECT version FROM idempotency_schema_migrations ORDER BY version")
+            .fetch_all(store.pool())
+            .await
+            .unwrap();
+    assert_eq!(applied, [1, 2]);
+}

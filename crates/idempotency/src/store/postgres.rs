@@ -12,11 +12,18 @@ use sqlx::{postgres::PgRow, PgPool, Postgres, Row, Transaction};
 use std::time::Duration;
 
 /// The key table's migrations, applied in order by [`Store::migrate`].
-pub const MIGRATIONS: &[(i64, &str, &str)] = &[(
-    1,
-    "create idempotency_keys",
-    include_str!("../../migrations/postgres/0001_idempotency_keys.sql"),
-)];
+pub const MIGRATIONS: &[(i64, &str, &str)] = &[
+    (
+        1,
+        "create idempotency_keys",
+        include_str!("../../migrations/postgres/0001_idempotency_keys.sql"),
+    ),
+    (
+        2,
+        "keys compare byte by byte (COLLATE \"C\")",
+        include_str!("../../migrations/postgres/0002_keys_collate_c.sql"),
+    ),
+];
 
 /// Lock id for `pg_advisory_xact_lock` while migrating ("idem" in ASCII).
 const MIGRATION_LOCK: i64 = 0x6964_656d;
