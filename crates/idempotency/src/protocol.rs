@@ -175,15 +175,10 @@ impl<S: Store> Lease<S> {
     }
 }
 
-impl<S: Store> Drop for Lease<S> {
-    fn drop(&mut self) {
-        if !self.armed {
-            return;
-        }
-        if self.effects == Effects::External {
-            tracing::warn!(key = %self.key, "external work abandoned (cancelled); the key stays pending for the recovery job");
-            return;
-        }
+impl<S: Store> Lease<S> {
+    /// From a drop: releases the key in a task of its own (a drop cannot wait).
+    fn release_in_background(&mut self) {
+        self.armed = false;
         let (store, key, token) = (self.store.clone(), self.key.clone(), self.token);
         match tokio::runtime::Handle::try_current() {
             Ok(runtime) => {
@@ -200,6 +195,19 @@ impl<S: Store> Drop for Lease<S> {
     }
 }
 
+impl<S: Store> Drop for Lease<S> {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        if self.effects == Effects::External {
+            tracing::warn!(key = %self.key, "external work abandoned (cancelled); the key stays pending for the recovery job");
+            return;
+        }
+        self.release_in_background();
+    }
+}
+
 /// A reservation on its way from the reserving task to its caller. Dropped before the caller
 /// took it (the caller was cancelled), it releases an acquired key: no work ran under it, so
 /// this holds for external work too, which a dropped [`Lease`] would leave pending.
@@ -207,21 +215,8 @@ struct Unclaimed<S: Store>(Option<Result<Reservation<S>, Error>>);
 
 impl<S: Store> Drop for Unclaimed<S> {
     fn drop(&mut self) {
-        let Some(Ok(Reservation::Acquired(lease))) = self.0.take() else {
-            return;
-        };
-        let key = lease.key.clone();
-        match tokio::runtime::Handle::try_current() {
-            Ok(runtime) => {
-                runtime.spawn(async move {
-                    if let Err(error) = lease.release().await {
-                        tracing::warn!(%error, %key, "could not release a reservation nobody awaited");
-                    }
-                });
-            }
-            Err(_) => {
-                tracing::warn!(%key, "reservation dropped outside a tokio runtime; the key stays pending until its lease ends")
-            }
+        if let Some(Ok(Reservation::Acquired(mut lease))) = self.0.take() {
+            lease.release_in_background();
         }
     }
 }
