@@ -39,6 +39,13 @@
 //!    extensions: `Store` a final refusal (a 402), `Release`, or `Park` the key as *needs
 //!    review* when an outside effect may have happened.
 //!
+//! A handler that drives a **durable operation** (outside calls between local steps, see
+//! [`idempotency::steps`] and `docs/external-calls.md`) takes the reservation with the
+//! [`KeyLease`] extractor and settles the key itself
+//! ([`Idempotency::perform_reserved`](idempotency::Idempotency::perform_reserved)); the layer
+//! then stores and releases nothing after it. Configure such a route with
+//! [`Effects::External`](idempotency::Effects::External).
+//!
 //! Protected responses are buffered whole (to be stored), so do not protect streaming routes.
 //!
 //! A client that hangs up cancels the request. A reservation in flight is finished and
@@ -139,6 +146,7 @@ pub mod disposition;
 pub mod error;
 pub mod header;
 pub mod layer;
+pub mod lease;
 pub mod metrics;
 pub mod problem;
 pub mod service;
@@ -150,6 +158,7 @@ pub use error::IdempotencyRejection;
 pub use layer::{
     IdempotencyLayer, IdempotencyScope, KeyRequirement, MissingScope, DEFAULT_BODY_LIMIT,
 };
+pub use lease::{KeyLease, LeaseRejection};
 pub use problem::Problem;
 pub use service::{IdempotencyService, ResponseFuture};
 pub use stored::StoredResponse;

@@ -17,6 +17,7 @@
 //! | `unavailable` | 503: the store could not be reached; the handler did not run |
 //! | `failed` | 500: an internal failure of the layer |
 //! | `unprotected` | optional key absent: the handler ran without protection |
+//! | `settled_by_handler` | a handler that took the [`KeyLease`](crate::KeyLease) answered other than 2xx (a durable operation settled as failed, pending or parked) |
 
 /// The counter's name.
 ///
@@ -44,6 +45,8 @@ pub const UNAVAILABLE: &str = "unavailable";
 pub const FAILED: &str = "failed";
 /// See the module table.
 pub const UNPROTECTED: &str = "unprotected";
+/// See the module table.
+pub const SETTLED_BY_HANDLER: &str = "settled_by_handler";
 
 pub(crate) fn count(operation: &str, outcome: &'static str) {
     ::metrics::counter!(REQUESTS_TOTAL, "operation" => operation.to_owned(), "outcome" => outcome)

@@ -9,6 +9,7 @@ use crate::{
     error::IdempotencyRejection,
     header::{key_from_headers, IDEMPOTENCY_KEY_RETENTION},
     layer::{KeyRequirement, MissingScope, OperationSource, Settings},
+    lease::LeaseSlot,
     metrics::{self, count},
     stored::StoredResponse,
     tx::{Returned, TxSlot},
@@ -336,13 +337,15 @@ where
 {
     let op = operation.as_str();
     let mut lease = HeldLease {
-        lease: Some(lease),
+        slot: LeaseSlot::new(lease),
         operation: op,
     };
 
-    // 2. Run the handler, with the (lazily begun) business transaction in the extensions.
+    // 2. Run the handler, with the (lazily begun) business transaction and the lease in the
+    //    extensions.
     let slot = TxSlot::new(settings.idempotency.store().clone());
     parts.extensions.insert(slot.clone());
+    parts.extensions.insert(lease.slot.clone());
     // The key, for handlers that pass it on to an idempotent provider.
     parts.extensions.insert(key);
     let request = Request::from_parts(parts, Body::from(body));
@@ -360,6 +363,13 @@ where
             std::panic::resume_unwind(panic);
         }
     };
+    if lease.taken_by_handler() {
+        // The handler settled the key itself (a durable operation): nothing to store or release.
+        rollback(slot.take_back()).await;
+        count(op, outcome_of_settled(response.status()));
+        let response = response.map(Body::new);
+        return Ok(with_retention(&settings, response));
+    }
     let tx = match slot.take_back() {
         Returned::Open(tx) => Some(tx),
         Returned::NotBegun => None,
@@ -497,16 +507,31 @@ where
     }
 }
 
-/// The lease while the handler runs. Dropped while still held (the client went away and the
-/// server cancelled the request), the key is released by [`Lease`]'s own drop; this counts it.
+/// The metrics outcome of a response whose handler settled the key itself.
+fn outcome_of_settled(status: http::StatusCode) -> &'static str {
+    if status.is_success() {
+        metrics::EXECUTED
+    } else {
+        metrics::SETTLED_BY_HANDLER
+    }
+}
+
+/// The lease while the handler runs, in the slot a [`KeyLease`](crate::KeyLease) extractor takes
+/// it from. Dropped while still held (the client went away and the server cancelled the
+/// request), the key is released by [`Lease`]'s own drop; this counts it.
 struct HeldLease<'o, S: Store> {
-    lease: Option<Lease<S>>,
+    slot: LeaseSlot<S>,
     operation: &'o str,
 }
 
 impl<S: Store> HeldLease<'_, S> {
     fn take(&mut self) -> Lease<S> {
-        self.lease.take().expect("the lease is taken once")
+        self.slot.take().expect("the lease is taken once")
+    }
+
+    /// Whether the handler took the lease (and so settles the key itself).
+    fn taken_by_handler(&self) -> bool {
+        !self.slot.holds()
     }
 
     async fn park(&mut self, reason: &str) {
@@ -528,7 +553,7 @@ impl<S: Store> HeldLease<'_, S> {
 
 impl<S: Store> Drop for HeldLease<'_, S> {
     fn drop(&mut self) {
-        if self.lease.is_some() {
+        if self.slot.holds() {
             count(self.operation, metrics::RELEASED);
             tracing::info!("request cancelled; releasing idempotency key");
         }

@@ -4,7 +4,9 @@
 
 use crate::{
     error::{Error, StoreError},
-    store::{Effects, Insertion, KeyState, LeaseToken, PendingRow, Store},
+    operation::Operation,
+    steps::{Finished, StepError, StepPolicy, Steps},
+    store::{Effects, Insertion, KeyRecord, KeyState, LeaseToken, PendingRow, Store},
     Fingerprint, IdempotencyKey, Outcome,
 };
 use futures_util::{future::BoxFuture, FutureExt};
@@ -94,6 +96,9 @@ pub struct Lease<S: Store> {
     effects: Effects,
     retention: Duration,
     armed: bool,
+    /// The row as it was when this lease took it over from an earlier holder (a durable
+    /// operation resumed by a retry or the resumer), with its journal.
+    pub(crate) resumed: Option<Box<KeyRecord>>,
 }
 
 impl<S: Store> Lease<S> {
@@ -105,6 +110,26 @@ impl<S: Store> Lease<S> {
     /// Our lease token.
     pub fn token(&self) -> LeaseToken {
         self.token
+    }
+
+    /// Whether this lease took the key over from an earlier holder of a durable operation (its
+    /// steps continue from the recovery point).
+    pub fn is_resumed(&self) -> bool {
+        self.resumed.is_some()
+    }
+
+    pub(crate) fn store(&self) -> &S {
+        &self.store
+    }
+
+    /// The key was settled, parked or noted by other means: dropping the lease does nothing.
+    pub(crate) fn disarm(&mut self) {
+        self.armed = false;
+    }
+
+    /// Releases the key now if it is still pending with our token, logging a failure.
+    pub(crate) async fn release_now(&mut self) {
+        self.release_quietly().await;
     }
 
     /// Marks the key completed with `result` **inside** `tx` (only if still pending with our
@@ -256,6 +281,7 @@ pub struct Idempotency<S> {
     retention: Duration,
     max_retry_after: Duration,
     replay_first: bool,
+    step_policy: StepPolicy,
 }
 
 impl<S: Store> Idempotency<S> {
@@ -267,7 +293,20 @@ impl<S: Store> Idempotency<S> {
             retention: Duration::from_secs(24 * 60 * 60),
             max_retry_after: Duration::from_secs(1),
             replay_first: true,
+            step_policy: StepPolicy::default(),
         }
+    }
+
+    /// How durable operations treat outside calls whose outcome is unknown or not done
+    /// (default [`StepPolicy::default`]).
+    pub fn with_step_policy(mut self, policy: StepPolicy) -> Self {
+        self.step_policy = policy;
+        self
+    }
+
+    /// The step policy.
+    pub fn step_policy(&self) -> StepPolicy {
+        self.step_policy
     }
 
     /// Whether [`reserve`](Self::reserve) first tries a plain read for a stored result
@@ -393,6 +432,25 @@ impl<S: Store> Idempotency<S> {
                 Insertion::Vanished => continue,
                 Insertion::Conflict(existing) => existing,
             };
+            if existing.is_resumable()
+                && existing.lease_expired()
+                && existing.fingerprint == attempt.fingerprint
+            {
+                // A durable operation whose holder went away: claim it (fenced) with its journal,
+                // and carry it on from its recovery point.
+                if self
+                    .store
+                    .claim_for_recovery(&attempt.key, existing.lease_token, row.token, self.lease)
+                    .await?
+                {
+                    tracing::debug!(key = %attempt.key, recovery_point = ?existing.recovery_point, "durable operation resumed by a retry");
+                    let mut lease = self.lease_for(&row);
+                    lease.effects = Effects::External;
+                    lease.resumed = Some(Box::new(existing));
+                    return Ok(Reservation::Acquired(lease));
+                }
+                continue;
+            }
             let reusable = match existing.state {
                 KeyState::Failed => true,
                 KeyState::Completed => existing.expired,
@@ -433,6 +491,20 @@ impl<S: Store> Idempotency<S> {
             effects: row.effects,
             retention: self.retention,
             armed: true,
+            resumed: None,
+        }
+    }
+
+    /// A lease for a key the recovery job claimed with `token`.
+    pub(crate) fn claimed_lease(&self, record: &KeyRecord, token: LeaseToken) -> Lease<S> {
+        Lease {
+            store: self.store.clone(),
+            key: record.key.clone(),
+            token,
+            effects: record.effects,
+            retention: self.retention,
+            armed: true,
+            resumed: Some(Box::new(record.clone())),
         }
     }
 
@@ -522,5 +594,141 @@ impl<S: Store> Idempotency<S> {
         // 3. Complete the key in the same transaction, and commit both.
         lease.finish(tx, &bytes).await.map_err(Error::widen)?;
         Ok(Outcome::Executed(value))
+    }
+}
+
+/// Why a durable operation ([`Idempotency::perform`]) did not produce its response.
+///
+/// | variant | the key | what a client should do |
+/// |---|---|---|
+/// | `Reserve` | untouched | as the inner [`Error`] says (422, 409, needs review, 503) |
+/// | `Released` | released: nothing took effect | fix the request, or retry |
+/// | `Pending` | pending: an outside outcome is unknown; the resumer carries it on | retry after `retry_after` (409 meanwhile, then the stored response) |
+/// | `Parked` | needs review | wait for an operator |
+/// | `LeaseLost` | held by another worker that carries it on | retry later |
+/// | `Interrupted` | pending until its lease ends, then resumed | retry later |
+///
+/// ```
+/// use idempotency::PerformError;
+/// use std::time::Duration;
+/// let error = PerformError::Pending { retry_after: Duration::from_secs(1), reason: "charge: timeout".into() };
+/// assert!(error.to_string().contains("background"));
+/// ```
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PerformError {
+    /// The reservation refused (the key was used with another request, is in progress, is
+    /// parked) or the store failed before anything ran.
+    #[error(transparent)]
+    Reserve(Error),
+    /// The operation failed before any step took effect: the key was released.
+    #[error("the operation failed and its key was released: {0}")]
+    Released(#[source] StepError),
+    /// An outside outcome is unknown: the key stays pending and the resumer carries the operation
+    /// on; a retry after `retry_after` gets 409 until it is settled, then the stored response.
+    #[error("the operation is pending ({reason}); it is carried on in the background")]
+    Pending {
+        /// When to look again.
+        retry_after: Duration,
+        /// What is unknown.
+        reason: String,
+    },
+    /// The key was parked as *needs review*.
+    #[error("the operation needs review: {reason}")]
+    Parked {
+        /// Why.
+        reason: String,
+    },
+    /// Another worker (a retry, the resumer) took the key over and carries the operation on.
+    #[error("another worker took the operation over")]
+    LeaseLost,
+    /// The operation stopped after some steps took effect (the database failed, a step's own
+    /// work failed and the failure could not be recorded): the key stays pending, is never
+    /// released, and is resumed once its lease ends.
+    #[error("the operation was interrupted and will be resumed: {0}")]
+    Interrupted(#[source] StepError),
+}
+
+impl PerformError {
+    /// The error for what [`Steps::after_error`] returned.
+    pub(crate) fn stopped(error: StepError) -> Self {
+        match error {
+            StepError::LeaseLost => PerformError::LeaseLost,
+            StepError::Pending {
+                retry_after,
+                reason,
+            } => PerformError::Pending {
+                retry_after,
+                reason,
+            },
+            StepError::Parked { reason } => PerformError::Parked { reason },
+            other => PerformError::Interrupted(other),
+        }
+    }
+}
+
+impl<S: Store> Idempotency<S> {
+    /// Runs the durable operation `operation` for `request` at most once per
+    /// `(scope, operation.name(), client_key)`: reserve (a key whose holder went away is taken
+    /// over and continued from its recovery point), then [`Operation::run`] with its [`Steps`].
+    /// A completed key replays its stored response (also a definitive failure).
+    ///
+    /// The fingerprint is that of the request's canonical JSON. See [`PerformError`] for what
+    /// happens to the key when the run does not finish.
+    pub async fn perform<O: Operation<S>>(
+        &self,
+        operation: &O,
+        scope: &str,
+        client_key: &str,
+        request: &O::Request,
+    ) -> Result<Outcome<O::Response>, PerformError> {
+        let key = IdempotencyKey::new(scope, operation.name(), client_key)
+            .map_err(|e| PerformError::Reserve(e.into()))?;
+        let fingerprint = Fingerprint::of_json(request)
+            .map_err(|e| PerformError::Reserve(Error::Serialization(e)))?;
+        let attempt = Attempt::new(key, fingerprint).effects(Effects::External);
+        match self
+            .reserve(&attempt)
+            .await
+            .map_err(PerformError::Reserve)?
+        {
+            Reservation::Completed(bytes) => serde_json::from_slice(&bytes)
+                .map(Outcome::Replayed)
+                .map_err(|e| PerformError::Reserve(Error::Serialization(e))),
+            Reservation::Acquired(lease) => self
+                .perform_reserved(operation, lease, request)
+                .await
+                .map(|finished| Outcome::Executed(finished.into_response())),
+        }
+    }
+
+    /// Runs (or continues) `operation` under a key already reserved by `lease` (for an HTTP layer
+    /// that reserved it, with its own fingerprint, with [`Effects::External`]).
+    pub async fn perform_reserved<O: Operation<S>>(
+        &self,
+        operation: &O,
+        lease: Lease<S>,
+        request: &O::Request,
+    ) -> Result<Finished<O::Response>, PerformError> {
+        let mut steps = match Steps::new(lease, request, self.step_policy, self.retention) {
+            Ok(steps) => steps,
+            Err(refused) => {
+                let (mut lease, error) = *refused;
+                if !lease.is_resumed() {
+                    lease.release_now().await;
+                    return Err(PerformError::Released(error));
+                }
+                let reason = format!("the operation's journal cannot be read: {error}");
+                return Err(match lease.park(&reason).await {
+                    Ok(true) => PerformError::Parked { reason },
+                    Ok(false) => PerformError::LeaseLost,
+                    Err(e) => PerformError::Interrupted(e.into()),
+                });
+            }
+        };
+        match operation.run(&mut steps, request).await {
+            Ok(finished) => Ok(finished),
+            Err(error) => Err(steps.after_error(error).await),
+        }
     }
 }

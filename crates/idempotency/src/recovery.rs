@@ -39,6 +39,9 @@
 
 use crate::{
     error::StoreError,
+    operation::{Operations, Resumed},
+    protocol::{Idempotency, PerformError},
+    steps::Settlement,
     store::{Effects, KeyRecord, KeyState, LeaseToken, Maintenance, Resolution},
     IdempotencyKey,
 };
@@ -170,9 +173,10 @@ impl fmt::Display for RecoveryReport {
 /// # Ok(()) }
 /// ```
 #[derive(Debug, Clone)]
-pub struct Recovery<S, R = NoResolver> {
+pub struct Recovery<S: Maintenance, R = NoResolver> {
     store: S,
     resolver: Option<R>,
+    operations: Option<(Idempotency<S>, Operations<S>)>,
     max_attempts: u32,
     batch: u32,
     claim_lease: Duration,
@@ -188,6 +192,7 @@ impl<S: Maintenance> Recovery<S, NoResolver> {
         Self {
             store,
             resolver: None,
+            operations: None,
             max_attempts: 5,
             batch: 100,
             claim_lease: Duration::from_secs(60),
@@ -202,6 +207,7 @@ impl<S: Maintenance> Recovery<S, NoResolver> {
         Recovery {
             store: self.store,
             resolver: Some(resolver),
+            operations: self.operations,
             max_attempts: self.max_attempts,
             batch: self.batch,
             claim_lease: self.claim_lease,
@@ -252,6 +258,17 @@ impl<S: Maintenance, R: Resolver> Recovery<S, R> {
         self
     }
 
+    /// Resumes durable operations: a pending key of an operation registered in `operations`
+    /// is claimed and continued from its recovery point by the operation's own function, with
+    /// `engine`'s retention and [step policy](crate::steps::StepPolicy) (a key with nothing
+    /// recorded made no outside call and is released). Keys of other operations are decided as
+    /// before (resolver, or parked); a key with a stored request whose operation is not registered
+    /// here is left alone for a worker that has it (counted as skipped).
+    pub fn with_operations(mut self, engine: Idempotency<S>, operations: Operations<S>) -> Self {
+        self.operations = Some((engine, operations));
+        self
+    }
+
     /// The store.
     pub fn store(&self) -> &S {
         &self.store
@@ -272,16 +289,51 @@ impl<S: Maintenance, R: Resolver> Recovery<S, R> {
         report: &mut RecoveryReport,
     ) -> Result<(), StoreError> {
         let key = &record.key;
+        let registered = self
+            .operations
+            .as_ref()
+            .is_some_and(|(_, operations)| operations.contains(key.operation()));
+        if record.is_resumable() && !registered {
+            tracing::debug!(%key, "durable operation not registered here; left for a worker that has it");
+            report.skipped += 1;
+            return Ok(());
+        }
         let token = LeaseToken::new();
+        // A durable operation is driven under the engine's own lease, as the request was: a
+        // resumer that dies mid-run holds the key no longer than the request would have.
+        let claim = match (&self.operations, registered) {
+            (Some((engine, _)), true) => engine.lease(),
+            _ => self.claim_lease,
+        };
         if !self
             .store
-            .claim_for_recovery(key, record.lease_token, token, self.claim_lease)
+            .claim_for_recovery(key, record.lease_token, token, claim)
             .await?
         {
             report.skipped += 1;
             return Ok(());
         }
         // From here on we hold the key with `token`; every write below is conditional on it.
+        if let (Some((engine, operations)), true) = (&self.operations, registered) {
+            if record.effects == Effects::External {
+                let lease = engine.claimed_lease(record, token);
+                let (decision, done) = match operations.resume(engine, lease, record).await {
+                    Ok(Resumed::Settled(Settlement::Completed)) => (Decision::Completed, true),
+                    Ok(Resumed::Settled(_)) => (Decision::Failed, true),
+                    Ok(Resumed::Released) => (Decision::Released, true),
+                    Ok(Resumed::Stopped(PerformError::Parked { .. })) => (Decision::Parked, true),
+                    Ok(Resumed::Stopped(PerformError::LeaseLost)) => (Decision::Unknown, false),
+                    Ok(Resumed::Stopped(error)) => {
+                        tracing::info!(%key, %error, "durable operation still pending");
+                        (Decision::Unknown, true)
+                    }
+                    Err(_unused) => unreachable!("the operation is registered"),
+                };
+                report.note(decision, done);
+                tracing::debug!(%key, ?decision, done, "durable operation resumed");
+                return Ok(());
+            }
+        }
         let (decision, done) = match record.effects {
             Effects::Local => {
                 let done = self.store.release(key, token).await?;
@@ -337,7 +389,7 @@ impl<S: Maintenance, R: Resolver> Recovery<S, R> {
             },
         };
         report.note(decision, done);
-        tracing::info!(%key, effects = %record.effects, ?decision, done, "idempotency key recovered");
+        tracing::debug!(%key, effects = %record.effects, ?decision, done, "idempotency key recovered");
         Ok(())
     }
 

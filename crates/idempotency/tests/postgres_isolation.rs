@@ -73,5 +73,5 @@ async fn key_columns_collate_as_bytes() {
             .fetch_all(store.pool())
             .await
             .unwrap();
-    assert_eq!(applied, [1, 2]);
+    assert_eq!(applied, [1, 2, 3]);
 }

@@ -6,18 +6,23 @@ CREATE TABLE IF NOT EXISTS shop_users (
     created_at    TIMESTAMPTZ NOT NULL DEFAULT now()
 );
 
--- State transition defence: status only ever moves unpaid -> paid, by a conditional UPDATE.
+-- State transition defence: status only moves by conditional UPDATEs: unpaid -> paid (pay),
+-- pending_payment -> paid | cancelled (a purchase's payment step settles it).
 CREATE TABLE IF NOT EXISTS shop_orders (
     id           BIGSERIAL   PRIMARY KEY,
     user_id      TEXT        NOT NULL REFERENCES shop_users (id),
     sku          TEXT        NOT NULL,
     quantity     BIGINT      NOT NULL CHECK (quantity > 0),
     amount_cents BIGINT      NOT NULL CHECK (amount_cents > 0),
-    status       TEXT        NOT NULL CHECK (status IN ('unpaid', 'paid')),
+    status       TEXT        NOT NULL CHECK (status IN ('unpaid', 'pending_payment', 'paid', 'cancelled')),
     charge_id    TEXT        UNIQUE,
     created_at   TIMESTAMPTZ NOT NULL DEFAULT now()
 );
 CREATE INDEX IF NOT EXISTS shop_orders_user ON shop_orders (user_id);
+-- Databases made before purchases had a payment step know only unpaid/paid.
+ALTER TABLE shop_orders DROP CONSTRAINT IF EXISTS shop_orders_status_check;
+ALTER TABLE shop_orders ADD CONSTRAINT shop_orders_status_check
+    CHECK (status IN ('unpaid', 'pending_payment', 'paid', 'cancelled'));
 
 CREATE TABLE IF NOT EXISTS shop_purchases (
     id         BIGSERIAL   PRIMARY KEY,

@@ -11,6 +11,14 @@ CREATE TABLE IF NOT EXISTS payment_provider_charges (
 );
 CREATE INDEX IF NOT EXISTS payment_provider_charges_account ON payment_provider_charges (account);
 
+-- Refunds of charges, one per refund key (and at most one per charge).
+CREATE TABLE IF NOT EXISTS payment_provider_refunds (
+    refund_key   TEXT        PRIMARY KEY,
+    charge_id    TEXT        NOT NULL UNIQUE REFERENCES payment_provider_charges (charge_id),
+    amount_cents BIGINT      NOT NULL,
+    created_at   TIMESTAMPTZ NOT NULL DEFAULT now()
+);
+
 -- A mail provider without idempotency support: every call is a new message.
 CREATE TABLE IF NOT EXISTS mail_provider_messages (
     message_id TEXT        PRIMARY KEY,

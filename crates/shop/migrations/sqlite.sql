@@ -6,14 +6,15 @@ CREATE TABLE IF NOT EXISTS shop_users (
     created_at    INTEGER     NOT NULL DEFAULT (CAST(unixepoch('subsec') * 1000 AS INTEGER))
 );
 
--- State transition defence: status only ever moves unpaid -> paid, by a conditional UPDATE.
+-- State transition defence: status only moves by conditional UPDATEs: unpaid -> paid (pay),
+-- pending_payment -> paid | cancelled (a purchase's payment step settles it).
 CREATE TABLE IF NOT EXISTS shop_orders (
     id           INTEGER     PRIMARY KEY,
     user_id      TEXT        NOT NULL REFERENCES shop_users (id),
     sku          TEXT        NOT NULL,
     quantity     INTEGER     NOT NULL CHECK (quantity > 0),
     amount_cents INTEGER     NOT NULL CHECK (amount_cents > 0),
-    status       TEXT        NOT NULL CHECK (status IN ('unpaid', 'paid')),
+    status       TEXT        NOT NULL CHECK (status IN ('unpaid', 'pending_payment', 'paid', 'cancelled')),
     charge_id    TEXT        UNIQUE,
     created_at   INTEGER     NOT NULL DEFAULT (CAST(unixepoch('subsec') * 1000 AS INTEGER))
 );

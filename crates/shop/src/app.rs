@@ -6,6 +6,7 @@ use crate::{
     problem::{Problem, BODY_LIMIT},
     protect::{keyed, KeyedRoute},
     providers::{Faults, MailProvider, PaymentProvider},
+    purchase::Purchase,
     routes,
     tx::plain_tx,
 };
@@ -19,7 +20,8 @@ use axum::{
 };
 use idempotency::{
     store::{postgres::PgStore, sqlite::SqliteStore},
-    Effects, Idempotency,
+    worker::{MaintenanceWorker, WorkerHandle},
+    Effects, Idempotency, Operations,
 };
 use std::{net::SocketAddr, sync::Arc, time::Duration};
 use tower_http::catch_panic::CatchPanicLayer;
@@ -50,6 +52,9 @@ pub struct Config {
     /// How long a request may hold its key before another may take it over (local routes) or
     /// the recovery job may look at it (external routes).
     pub lease: Duration,
+    /// The pause between passes of the maintenance worker (resume, recover, purge); `None`
+    /// runs no worker.
+    pub worker_interval: Option<Duration>,
 }
 
 impl Config {
@@ -63,6 +68,7 @@ impl Config {
             max_connections: 16,
             unguarded_purchases: false,
             lease: Duration::from_secs(30),
+            worker_interval: Some(Duration::from_secs(1)),
         }
     }
 }
@@ -86,6 +92,7 @@ struct Inner {
     providers: ProviderDb,
     payment: PaymentProvider,
     mail: MailProvider,
+    purchase: Arc<Purchase>,
 }
 
 /// Shared state of the service.
@@ -114,8 +121,10 @@ impl App {
                 Engine::Sqlite(Idempotency::new(store.clone()).with_lease(lease))
             }
         };
+        let payment = PaymentProvider::new(providers.clone(), config.payment);
         Ok(Self(Arc::new(Inner {
-            payment: PaymentProvider::new(providers.clone(), config.payment),
+            purchase: Arc::new(Purchase::new(payment.clone())),
+            payment,
             mail: MailProvider::new(providers.clone(), config.mail),
             db,
             engine,
@@ -148,6 +157,33 @@ impl App {
         &self.0.mail
     }
 
+    /// The durable purchase operation.
+    pub fn purchase(&self) -> &Purchase {
+        &self.0.purchase
+    }
+
+    /// Starts the maintenance worker: purchases whose client or process went away are carried
+    /// on from their recovery point, abandoned local keys released, e-mails of unknown outcome
+    /// parked, expired keys purged.
+    pub fn spawn_worker(&self, interval: Duration) -> WorkerHandle {
+        match self.engine() {
+            Engine::Pg(engine) => MaintenanceWorker::new(engine.store().clone())
+                .with_operations(
+                    engine.clone(),
+                    Operations::new().with_shared(self.0.purchase.clone()),
+                )
+                .with_interval(interval)
+                .spawn(),
+            Engine::Sqlite(engine) => MaintenanceWorker::new(engine.store().clone())
+                .with_operations(
+                    engine.clone(),
+                    Operations::new().with_shared(self.0.purchase.clone()),
+                )
+                .with_interval(interval)
+                .spawn(),
+        }
+    }
+
     /// Which backend.
     pub fn kind(&self) -> Kind {
         self.0.db.kind()
@@ -157,11 +193,10 @@ impl App {
 /// Keyed routes and their key policies.
 pub const PURCHASE: KeyedRoute = KeyedRoute {
     operation: "purchase",
-    // The payment provider is outside our database, but it honours our key: running an
-    // abandoned purchase again (after a crash, once the lease ends) gets the same charge back, so
-    // the key may be taken over and an error may release it. The debit and the order commit
-    // with the key, exactly once.
-    effects: Effects::Local,
+    // A durable operation with an outside step (the charge): its key is never taken over as
+    // abandoned local work nor released after a step took effect; a retry or the worker
+    // continues it from its recovery point (see `crate::purchase`).
+    effects: Effects::External,
 };
 /// `POST /orders`.
 pub const CREATE_ORDER: KeyedRoute = KeyedRoute {
@@ -178,7 +213,7 @@ pub const SEND_EMAIL: KeyedRoute = KeyedRoute {
 pub fn router(app: App, config: &Config) -> Router {
     let plain = from_fn_with_state(app.clone(), plain_tx);
     let purchase = if config.unguarded_purchases {
-        post(routes::purchase).layer(plain.clone())
+        post(routes::purchase_unprotected)
     } else {
         keyed(&app, PURCHASE, post(routes::purchase))
     };
@@ -200,10 +235,8 @@ pub fn router(app: App, config: &Config) -> Router {
         .route("/emails", keyed(&app, SEND_EMAIL, post(routes::send_email)))
         .route("/users/{id}/ledger", get(routes::ledger));
     if config.bench_routes {
-        user_routes = user_routes.route(
-            "/unprotected/purchases",
-            post(routes::purchase).layer(plain),
-        );
+        user_routes =
+            user_routes.route("/unprotected/purchases", post(routes::purchase_unprotected));
     }
     Router::new()
         .merge(user_routes.layer(from_fn(authenticate)))
@@ -300,12 +333,21 @@ pub struct Running {
     /// The state (for direct database checks).
     pub app: App,
     task: tokio::task::JoinHandle<()>,
+    worker: Option<WorkerHandle>,
 }
 
 impl Running {
     /// The base URL, `http://ADDR`.
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)
+    }
+
+    /// Stops the maintenance worker after its pass under way (a no-op without one).
+    pub async fn stop_worker(&mut self) {
+        if let Some(worker) = self.worker.take() {
+            let report = worker.shutdown().await;
+            tracing::debug!(%report, "maintenance worker stopped");
+        }
     }
 }
 
@@ -327,5 +369,13 @@ pub async fn start(config: &Config, listen: &str) -> anyhow::Result<Running> {
             tracing::error!(%error, "server stopped");
         }
     });
-    Ok(Running { addr, app, task })
+    let worker = config
+        .worker_interval
+        .map(|interval| app.spawn_worker(interval));
+    Ok(Running {
+        addr,
+        app,
+        task,
+        worker,
+    })
 }

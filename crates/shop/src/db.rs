@@ -37,6 +37,16 @@ pub enum Conn<'a> {
     Sqlite(&'a mut SqliteConnection),
 }
 
+impl Conn<'_> {
+    /// The same connection, borrowed again (for the next statement).
+    pub fn reborrow(&mut self) -> Conn<'_> {
+        match self {
+            Conn::Pg(c) => Conn::Pg(c),
+            Conn::Sqlite(c) => Conn::Sqlite(c),
+        }
+    }
+}
+
 /// An open business transaction of either backend.
 #[derive(Debug)]
 pub enum Tx {
@@ -78,6 +88,8 @@ pub trait Backend: Store {
     fn wrap(tx: Transaction<'static, Self::Database>) -> Tx;
     /// Unwraps a transaction of this backend; `None` for the other backend's.
     fn unwrap(tx: Tx) -> Option<Transaction<'static, Self::Database>>;
+    /// The connection of a transaction of this backend, for statements.
+    fn conn<'a>(tx: &'a mut Transaction<'static, Self::Database>) -> Conn<'a>;
 }
 
 impl Backend for PgStore {
@@ -90,6 +102,9 @@ impl Backend for PgStore {
             Tx::Sqlite(_) => None,
         }
     }
+    fn conn<'a>(tx: &'a mut Transaction<'static, Postgres>) -> Conn<'a> {
+        Conn::Pg(tx)
+    }
 }
 
 impl Backend for SqliteStore {
@@ -101,6 +116,9 @@ impl Backend for SqliteStore {
             Tx::Sqlite(tx) => Some(tx),
             Tx::Pg(_) => None,
         }
+    }
+    fn conn<'a>(tx: &'a mut Transaction<'static, Sqlite>) -> Conn<'a> {
+        Conn::Sqlite(tx)
     }
 }
 
@@ -260,6 +278,14 @@ impl ShopDb {
                 for statement in statements(include_str!("../migrations/sqlite.sql")) {
                     sqlx::query(&statement).execute(&mut *tx).await?;
                 }
+                let orders: String = sqlx::query_scalar(
+                    "SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'shop_orders'",
+                )
+                .fetch_one(&mut *tx)
+                .await?;
+                if !orders.contains("pending_payment") {
+                    bail!("this SQLite file was made by an older shop (its orders know no 'pending_payment'); delete it and its .providers file, or use another --database-url");
+                }
                 tx.commit().await?;
             }
         }
@@ -358,9 +384,10 @@ mod tests {
     fn every_migration_statement_is_split() {
         let n = statements(include_str!("../migrations/sqlite.sql")).count();
         assert_eq!(n, 7);
+        // PostgreSQL also replaces the status CHECK of databases made by older shops.
         assert_eq!(
             statements(include_str!("../migrations/postgres.sql")).count(),
-            n
+            n + 2
         );
     }
 }

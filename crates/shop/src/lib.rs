@@ -19,6 +19,7 @@ pub mod metrics;
 pub mod problem;
 pub mod protect;
 pub mod providers;
+pub mod purchase;
 pub mod routes;
 pub mod storm;
 pub mod tx;

@@ -49,6 +49,14 @@ struct ServeArgs {
     /// it over (purchases, orders) or the recovery job may resolve it (e-mails).
     #[arg(long, default_value_t = 30_000)]
     lease_ms: u64,
+    /// Pause between passes of the maintenance worker, in milliseconds: it carries purchases
+    /// whose client or process went away to their end, releases abandoned keys and purges expired
+    /// ones.
+    #[arg(long, default_value_t = 1_000)]
+    worker_interval_ms: u64,
+    /// Run no maintenance worker (another process runs it, or `idem recover` does).
+    #[arg(long)]
+    no_worker: bool,
     /// Also mount `POST /unprotected/purchases` (the purchase handler without the idempotency middleware).
     #[arg(long, hide = true)]
     bench_routes: bool,
@@ -97,6 +105,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     config.bench_routes = args.bench_routes;
     config.unguarded_purchases = args.unguarded_purchases;
     config.lease = Duration::from_millis(args.lease_ms);
+    config.worker_interval =
+        (!args.no_worker).then(|| Duration::from_millis(args.worker_interval_ms.max(10)));
     let running = app::start(&config, &args.listen).await?;
     let url = running.url();
     let database = args
@@ -113,6 +123,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     out.flush()?;
     drop(out);
     shutdown_signal().await;
+    let mut running = running;
+    running.stop_worker().await;
     drop(running);
     Ok(())
 }

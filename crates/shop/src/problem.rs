@@ -8,6 +8,7 @@ use axum::{
     Json,
 };
 pub use idempotency_http::Disposition;
+use idempotency_http::StoredResponse;
 use serde::de::DeserializeOwned;
 use serde_json::{json, Map, Value};
 
@@ -144,18 +145,41 @@ impl Problem {
     }
 }
 
-impl IntoResponse for Problem {
-    fn into_response(self) -> Response {
-        let this = *self.0;
+impl Problem {
+    /// The problem document.
+    fn document(&self) -> Value {
         let mut body = json!({
-            "type": format!("{TYPE_BASE}{}", this.slug),
-            "title": this.title,
-            "status": this.status.as_u16(),
-            "detail": this.detail,
+            "type": format!("{TYPE_BASE}{}", self.0.slug),
+            "title": self.0.title,
+            "status": self.0.status.as_u16(),
+            "detail": self.0.detail,
         });
         if let Value::Object(map) = &mut body {
-            map.extend(this.extra);
+            map.extend(self.0.extra.clone());
         }
+        body
+    }
+
+    /// The problem as a response kept with a key (a durable operation's definitive answer).
+    ///
+    /// ```
+    /// let stored = shop::problem::Problem::not_found("no order 7").to_stored();
+    /// assert_eq!(stored.status, 404);
+    /// assert_eq!(stored.headers[0].1, "application/problem+json");
+    /// ```
+    pub fn to_stored(&self) -> StoredResponse {
+        StoredResponse {
+            status: self.0.status.as_u16(),
+            headers: vec![("content-type".into(), PROBLEM_JSON.into())],
+            body: serde_json::to_vec(&self.document()).expect("a JSON value serialises"),
+        }
+    }
+}
+
+impl IntoResponse for Problem {
+    fn into_response(self) -> Response {
+        let body = self.document();
+        let this = *self.0;
         let mut response = (this.status, Json(body)).into_response();
         response
             .headers_mut()

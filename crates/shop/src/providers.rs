@@ -1,8 +1,11 @@
 //! The simulated outside services, with fault injection.
 //!
 //! * [`PaymentProvider`] honours idempotency keys, like real card processors: a charge is kept
-//!   by its provider key, and the same key returns the same charge. The shop passes its own
-//!   idempotency key on, so a retry after an unknown outcome never charges twice.
+//!   by its provider key, and the same key returns the same charge. It can be asked what became
+//!   of a key ([`PaymentProvider::lookup`]) and refund a charge ([`PaymentProvider::refund`]).
+//!   The shop passes a key derived from its own idempotency key, so neither a retry nor the
+//!   resumer ever charges twice. Faults are injected into charges only: lookups and refunds
+//!   always answer (with the configured latency).
 //! * [`MailProvider`] has no idempotency support: every call sends a new message. When a call
 //!   fails, the shop cannot know whether the message went out.
 //!
@@ -46,7 +49,7 @@ impl Faults {
 }
 
 /// A charge made by the payment provider.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Charge {
     /// The provider's id of the charge.
     pub charge_id: String,
@@ -117,6 +120,53 @@ impl PaymentProvider {
             charge_id,
             amount_cents,
         })
+    }
+}
+
+impl PaymentProvider {
+    /// What became of the charge made with `provider_key`: `Some` if it was made, `None` if no
+    /// charge with that key exists. Never fails by injection.
+    pub async fn lookup(&self, provider_key: &str) -> Result<Option<Charge>, ProviderError> {
+        if !self.faults.latency.is_zero() {
+            tokio::time::sleep(self.faults.latency).await;
+        }
+        let mut conn = self.db.conn().await?;
+        let found: Option<(String, i64)> = on_conn!(conn.conn(), |c| {
+            sqlx::query_as(
+            "SELECT charge_id, amount_cents FROM payment_provider_charges WHERE provider_key = $1"
+        )
+        .bind(provider_key)
+        .fetch_optional(&mut *c)
+        .await?
+        });
+        Ok(found.map(|(charge_id, amount_cents)| Charge {
+            charge_id,
+            amount_cents,
+        }))
+    }
+
+    /// Refunds `charge_id` in full, once per `refund_key` (and at most once per charge): a
+    /// second call returns the first refund's id. Never fails by injection.
+    pub async fn refund(&self, refund_key: &str, charge_id: &str) -> Result<String, ProviderError> {
+        let mut conn = self.db.conn().await?;
+        let refunded: Option<String> = on_conn!(conn.conn(), |c| {
+            sqlx::query(
+                "INSERT INTO payment_provider_refunds (refund_key, charge_id, amount_cents)
+                 SELECT $1, charge_id, amount_cents FROM payment_provider_charges WHERE charge_id = $2
+                 ON CONFLICT DO NOTHING",
+            )
+            .bind(refund_key)
+            .bind(charge_id)
+            .execute(&mut *c)
+            .await?;
+            sqlx::query_scalar(
+                "SELECT refund_key FROM payment_provider_refunds WHERE charge_id = $1",
+            )
+            .bind(charge_id)
+            .fetch_optional(&mut *c)
+            .await?
+        });
+        refunded.ok_or_else(|| ProviderError::Refused(format!("no charge {charge_id} to refund")))
     }
 }
 

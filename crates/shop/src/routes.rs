@@ -9,26 +9,29 @@
 //! | `POST /emails` | Idempotency-Key on a provider *without* idempotency: an unknown outcome parks the key as *needs review* |
 
 use crate::{
-    app::{App, UserId, START_BALANCE_CENTS},
+    app::{App, Engine, UserId, START_BALANCE_CENTS},
+    db::Backend,
     on_conn,
     problem::{JsonBody, Problem},
     providers::ProviderError,
-    tx::BusinessTx,
+    purchase::{
+        debit, ensure_user, insert_order, mark_paid, place_order, price, Placed, Purchase,
+        PurchaseRequest,
+    },
+    tx::{BusinessTx, HeldKey},
 };
 use axum::{
     extract::{rejection::PathRejection, Path, State},
     http::StatusCode,
+    response::{IntoResponse, Response},
     Extension, Json,
 };
-use idempotency::IdempotencyKey;
+use idempotency::{Finished, Idempotency, IdempotencyKey, PerformError, StepError};
+use idempotency_http::{KeyLease, StoredResponse};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-/// What the shop sells: `(sku, price in cents)`.
-pub const CATALOG: &[(&str, i64)] = &[("tea", 450), ("coffee", 380), ("mug", 1_200), ("pencil", 1)];
-
-/// Largest quantity of one line.
-pub const MAX_QUANTITY: i64 = 100;
+pub use crate::purchase::{CATALOG, MAX_QUANTITY};
 
 type Answer = Result<(StatusCode, Json<Value>), Problem>;
 
@@ -45,29 +48,7 @@ pub struct OrderRequest {
 impl OrderRequest {
     /// The amount, or why the request is unacceptable (422).
     fn amount_cents(&self) -> Result<i64, Problem> {
-        let Some(&(_, price)) = CATALOG.iter().find(|(sku, _)| *sku == self.sku) else {
-            let known: Vec<&str> = CATALOG.iter().map(|(sku, _)| *sku).collect();
-            return Err(Problem::unprocessable(
-                "unknown-sku",
-                "Unknown SKU",
-                format!(
-                    "there is no product {:?}; known SKUs: {}",
-                    self.sku,
-                    known.join(", ")
-                ),
-            ));
-        };
-        if !(1..=MAX_QUANTITY).contains(&self.quantity) {
-            return Err(Problem::unprocessable(
-                "invalid-quantity",
-                "Invalid quantity",
-                format!(
-                    "quantity must be between 1 and {MAX_QUANTITY}, not {}",
-                    self.quantity
-                ),
-            ));
-        }
-        Ok(price * self.quantity)
+        price(&self.sku, self.quantity)
     }
 }
 
@@ -84,71 +65,20 @@ fn path_problem(rejection: PathRejection) -> Problem {
     Problem::bad_request("invalid-path", "Invalid path", rejection.body_text())
 }
 
-/// Creates the user with the start balance if it is new.
-async fn ensure_user(tx: &mut BusinessTx, user: &str) -> Result<(), Problem> {
-    on_conn!(tx.conn(), |c| sqlx::query(
-        "INSERT INTO shop_users (id, balance_cents) VALUES ($1, $2) ON CONFLICT (id) DO NOTHING"
-    )
-    .bind(user)
-    .bind(START_BALANCE_CENTS)
-    .execute(&mut *c)
-    .await
-    .map_err(|e| Problem::database(&e))?
-    .rows_affected());
-    Ok(())
+fn db(error: sqlx::Error) -> Problem {
+    Problem::database(&error)
 }
 
-/// Inserts an unpaid order for `user` inside the business transaction; returns its id.
-async fn insert_unpaid_order(
-    tx: &mut BusinessTx,
-    user: &str,
-    request: &OrderRequest,
-    amount: i64,
-) -> Result<i64, Problem> {
-    Ok(on_conn!(tx.conn(), |c| sqlx::query_scalar(
-        "INSERT INTO shop_orders (user_id, sku, quantity, amount_cents, status)
-         VALUES ($1, $2, $3, $4, 'unpaid') RETURNING id"
-    )
-    .bind(user)
-    .bind(&request.sku)
-    .bind(request.quantity)
-    .bind(amount)
-    .fetch_one(&mut *c)
-    .await
-    .map_err(|e| Problem::database(&e))?))
-}
-
-/// Takes `amount` from the balance only if it covers it (a conditional UPDATE, so two
-/// concurrent debits can never overdraw). On refusal, the problem carries the balance.
-async fn debit(tx: &mut BusinessTx, user: &str, amount: i64) -> Result<(), Problem> {
-    let debited = on_conn!(tx.conn(), |c| sqlx::query(
-        "UPDATE shop_users SET balance_cents = balance_cents - $2
-         WHERE id = $1 AND balance_cents >= $2"
-    )
-    .bind(user)
-    .bind(amount)
-    .execute(&mut *c)
-    .await
-    .map_err(|e| Problem::database(&e))?
-    .rows_affected());
-    if debited == 1 {
-        return Ok(());
-    }
-    let balance: i64 = on_conn!(tx.conn(), |c| sqlx::query_scalar(
-        "SELECT balance_cents FROM shop_users WHERE id = $1"
-    )
-    .bind(user)
-    .fetch_one(&mut *c)
-    .await
-    .map_err(|e| Problem::database(&e))?);
-    Err(Problem::new(
+/// 402 with the balance, for a debit the balance does not cover.
+fn insufficient(amount: i64, balance: i64) -> Problem {
+    Problem::new(
         StatusCode::PAYMENT_REQUIRED,
         "insufficient-balance",
         "Insufficient balance",
         format!("this costs {amount} cents but the balance is {balance} cents"),
     )
     .with("amount_cents", amount)
-    .with("balance_cents", balance))
+    .with("balance_cents", balance)
 }
 
 fn payment_problem(error: ProviderError) -> Problem {
@@ -164,70 +94,139 @@ fn payment_problem(error: ProviderError) -> Problem {
     }
 }
 
-/// `POST /purchases`: debit, create the order, charge the provider with our key, mark the
-/// order paid and record the purchase, all in the middleware's transaction.
+/// `POST /purchases`: the durable [`Purchase`](crate::purchase::Purchase) operation, under the
+/// key the layer reserved (see [`crate::purchase`]). An unacceptable line is refused (422) before
+/// the lease is taken, so the layer releases the key.
 pub async fn purchase(
     State(app): State<App>,
     Extension(user): Extension<UserId>,
-    key: Option<Extension<IdempotencyKey>>,
-    mut tx: BusinessTx,
+    held: HeldKey,
+    JsonBody(request): JsonBody<OrderRequest>,
+) -> Response {
+    if let Err(problem) = request.amount_cents() {
+        return problem.into_response();
+    }
+    let request = PurchaseRequest {
+        user: user.0,
+        sku: request.sku,
+        quantity: request.quantity,
+    };
+    let performed = match (held, app.engine()) {
+        (HeldKey::Pg(lease), Engine::Pg(engine)) => {
+            perform(engine, app.purchase(), lease, &request).await
+        }
+        (HeldKey::Sqlite(lease), Engine::Sqlite(engine)) => {
+            perform(engine, app.purchase(), lease, &request).await
+        }
+        _ => Err(PerformError::LeaseLost),
+    };
+    match performed {
+        Ok(stored) => stored.into_response(),
+        Err(error) => perform_problem(error).into_response(),
+    }
+}
+
+async fn perform<S: Backend>(
+    engine: &Idempotency<S>,
+    operation: &Purchase,
+    held: KeyLease<S>,
+    request: &PurchaseRequest,
+) -> Result<StoredResponse, PerformError> {
+    let lease = held.take().ok_or(PerformError::LeaseLost)?;
+    engine
+        .perform_reserved(operation, lease, request)
+        .await
+        .map(Finished::into_response)
+}
+
+/// The answer to a purchase that did not settle in this request.
+fn perform_problem(error: PerformError) -> Problem {
+    let seconds = |d: std::time::Duration| d.as_secs().max(1);
+    match error {
+        PerformError::Pending { retry_after, reason } => Problem::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "purchase-pending",
+            "Purchase pending",
+            format!("{reason}; the purchase is carried on in the background. Retry with the same Idempotency-Key: 409 until it settles, then its answer"),
+        )
+        .retry_after(seconds(retry_after)),
+        PerformError::Parked { reason } => Problem::new(
+            StatusCode::CONFLICT,
+            "needs-review",
+            "Needs review",
+            format!("{reason}; an operator settles this purchase"),
+        ),
+        PerformError::LeaseLost => Problem::new(
+            StatusCode::CONFLICT,
+            "in-progress",
+            "In progress",
+            "another worker carries this purchase on; retry with the same Idempotency-Key",
+        )
+        .retry_after(1),
+        PerformError::Released(StepError::Store(e)) if e.is_unavailable() => Problem::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "database",
+            "Database unavailable",
+            "nothing was kept; retry with the same Idempotency-Key",
+        )
+        .retry_after(1),
+        PerformError::Interrupted(e) => {
+            tracing::warn!(error = %e, "purchase interrupted; the worker resumes it");
+            Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "purchase-interrupted",
+                "Purchase interrupted",
+                "the purchase stopped half-way and is resumed in the background; retry with the same Idempotency-Key",
+            )
+            .retry_after(1)
+        }
+        other => {
+            tracing::error!(error = %other, "purchase failed");
+            Problem::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "purchase-failed",
+                "Purchase failed",
+                "nothing was kept; retry with the same Idempotency-Key",
+            )
+        }
+    }
+}
+
+/// `POST /unprotected/purchases` (benchmark only): the same steps and the same provider without
+/// any key: the order, the charge (with a random key), then paid, in two transactions.
+pub async fn purchase_unprotected(
+    State(app): State<App>,
+    Extension(user): Extension<UserId>,
     JsonBody(request): JsonBody<OrderRequest>,
 ) -> Answer {
     let amount = request.amount_cents()?;
-    // The provider receives our own key (user/operation/key), so a retry after an unknown
-    // outcome returns the same charge. (The unprotected bench route has no key.)
-    let provider_key = match key {
-        Some(Extension(key)) => format!("shop:{key}"),
-        None => format!("unprotected:{}", uuid::Uuid::new_v4()),
+    let request = PurchaseRequest {
+        user: user.0,
+        sku: request.sku,
+        quantity: request.quantity,
     };
-    ensure_user(&mut tx, &user.0).await?;
-    // A refusal is definitive: stored with the key and replayed to every retry.
-    debit(&mut tx, &user.0, amount).await.map_err(|p| {
-        if p.status() == StatusCode::PAYMENT_REQUIRED {
-            p.definitive()
-        } else {
-            p
-        }
-    })?;
-    let order_id = insert_unpaid_order(&mut tx, &user.0, &request, amount).await?;
+    let mut tx = app.db().begin().await.map_err(db)?;
+    let placed = place_order(tx.conn(), &request, amount).await.map_err(db)?;
+    let order = match placed {
+        Placed::Order(order) => order,
+        Placed::Refused { balance } => return Err(insufficient(amount, balance)),
+    };
+    tx.commit().await.map_err(db)?;
+    let key = format!("unprotected:{}", uuid::Uuid::new_v4());
     let charge = app
         .payment()
-        .charge(&provider_key, &user.0, amount)
+        .charge(&key, &request.user, amount)
         .await
         .map_err(payment_problem)?;
-    let paid = on_conn!(tx.conn(), |c| {
-        sqlx::query(
-        "UPDATE shop_orders SET status = 'paid', charge_id = $2 WHERE id = $1 AND status = 'unpaid'"
-    )
-    .bind(order_id)
-    .bind(&charge.charge_id)
-    .execute(&mut *c)
-    .await
-    .map_err(|e| Problem::database(&e))?
-    .rows_affected()
-    });
-    if paid != 1 {
-        return Err(no_tx());
-    }
-    let purchase_id: i64 = on_conn!(tx.conn(), |c| sqlx::query_scalar(
-        "INSERT INTO shop_purchases (user_id, order_id) VALUES ($1, $2) RETURNING id"
-    )
-    .bind(&user.0)
-    .bind(order_id)
-    .fetch_one(&mut *c)
-    .await
-    .map_err(|e| Problem::database(&e))?);
-    Ok((
-        StatusCode::CREATED,
-        Json(json!({
-            "purchase_id": purchase_id,
-            "order_id": order_id,
-            "sku": request.sku,
-            "quantity": request.quantity,
-            "amount_cents": amount,
-            "charge_id": charge.charge_id,
-        })),
-    ))
+    let mut tx = app.db().begin().await.map_err(db)?;
+    let body = mark_paid(tx.conn(), &request, order, amount, &charge)
+        .await
+        .map_err(|e| {
+            tracing::error!(error = %e, "unprotected purchase");
+            no_tx()
+        })?;
+    tx.commit().await.map_err(db)?;
+    Ok((StatusCode::CREATED, Json(body)))
 }
 
 /// `POST /orders`: creates an unpaid order (keyed, local work only).
@@ -237,8 +236,18 @@ pub async fn create_order(
     JsonBody(request): JsonBody<OrderRequest>,
 ) -> Answer {
     let amount = request.amount_cents()?;
-    ensure_user(&mut tx, &user.0).await?;
-    let order_id = insert_unpaid_order(&mut tx, &user.0, &request, amount).await?;
+    let mut conn = tx.conn();
+    ensure_user(&mut conn, &user.0).await.map_err(db)?;
+    let order_id = insert_order(
+        &mut conn,
+        &user.0,
+        &request.sku,
+        request.quantity,
+        amount,
+        "unpaid",
+    )
+    .await
+    .map_err(db)?;
     Ok((
         StatusCode::CREATED,
         Json(json!({
@@ -317,7 +326,9 @@ pub async fn pay_order(
         body["already_paid"] = json!(true);
         return Ok((StatusCode::OK, Json(body)));
     };
-    debit(&mut tx, &user.0, amount).await?;
+    if let Err(balance) = debit(&mut tx.conn(), &user.0, amount).await.map_err(db)? {
+        return Err(insufficient(amount, balance));
+    }
     // The order id names the payment: a retry after a failure charges the same charge.
     let charge = app
         .payment()

@@ -17,7 +17,8 @@ use axum::{
     middleware::Next,
     response::{IntoResponse, Response},
 };
-use idempotency_http::{Disposition, IdempotentTx};
+use idempotency::store::{postgres::PgStore, sqlite::SqliteStore};
+use idempotency_http::{Disposition, IdempotentTx, KeyLease};
 use sqlx::{Postgres, Sqlite};
 use std::sync::{Arc, Mutex};
 
@@ -92,6 +93,32 @@ impl FromRequestParts<App> for BusinessTx {
                 .map(Open::KeyedSqlite),
         };
         open.map(Self).map_err(IntoResponse::into_response)
+    }
+}
+
+/// The key the layer reserved for this request, for a handler that settles it itself (the
+/// durable purchase): the layer's [`KeyLease`] for the shop's backend.
+#[derive(Debug)]
+pub enum HeldKey {
+    /// On PostgreSQL.
+    Pg(KeyLease<PgStore>),
+    /// On SQLite.
+    Sqlite(KeyLease<SqliteStore>),
+}
+
+impl FromRequestParts<App> for HeldKey {
+    type Rejection = Response;
+
+    async fn from_request_parts(parts: &mut Parts, app: &App) -> Result<Self, Response> {
+        let held = match app.kind() {
+            Kind::Postgres => KeyLease::from_request_parts(parts, app)
+                .await
+                .map(HeldKey::Pg),
+            Kind::Sqlite => KeyLease::from_request_parts(parts, app)
+                .await
+                .map(HeldKey::Sqlite),
+        };
+        held.map_err(IntoResponse::into_response)
     }
 }
 

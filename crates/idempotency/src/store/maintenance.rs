@@ -172,20 +172,6 @@ pub trait Maintenance: Store {
         limit: u32,
     ) -> impl Future<Output = Result<Vec<KeyRecord>, StoreError>> + Send;
 
-    /// Claims an abandoned key for recovery: replaces the lease token `stale` by `fresh` and sets
-    /// `lease_until = now() + lease`, only where the row is still `pending`, still carries `stale`
-    /// and its lease has ended. Leaves everything else (including `recovery_attempts`) unchanged.
-    /// `true` means the caller now holds the key with `fresh`: the original worker can no longer
-    /// complete it (its token is gone) and no other recovery worker can claim it until `lease`
-    /// ends.
-    fn claim_for_recovery(
-        &self,
-        key: &IdempotencyKey,
-        stale: LeaseToken,
-        fresh: LeaseToken,
-        lease: Duration,
-    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
-
     /// Marks the key `completed` with `result`, outside any business transaction (the effect
     /// happened elsewhere, e.g. at a payment provider), only where it is `pending` with `token`.
     /// Sets `expires_at = now() + retention` and `reason`. Returns whether it did.
@@ -196,17 +182,6 @@ pub trait Maintenance: Store {
         result: &[u8],
         reason: &str,
         retention: Duration,
-    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
-
-    /// Notes that the resolver could not tell what happened: `recovery_attempts += 1` and
-    /// `lease_until = now() + retry_after` (when the next recovery pass may ask again), only where
-    /// the key is `pending` with `token`. The key stays pending with `token`. Returns whether it
-    /// did.
-    fn note_unknown(
-        &self,
-        key: &IdempotencyKey,
-        token: LeaseToken,
-        retry_after: Duration,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send;
 
     /// Deletes at most `batch` rows with `state IN ('completed', 'failed') AND expires_at <=

@@ -184,6 +184,14 @@ pub struct KeyRecord {
     pub lease_until: DateTime<Utc>,
     /// When the row may be purged.
     pub expires_at: DateTime<Utc>,
+    /// The last recovery point a durable operation reached (see [`crate::steps`]).
+    pub recovery_point: Option<String>,
+    /// The stored request of a durable operation (canonical JSON), kept while it is unsettled so
+    /// that it can be resumed without the client; cleared at completion.
+    pub request: Option<Vec<u8>>,
+    /// The journal of a durable operation's steps (JSON): the output of each step done, and the
+    /// outside steps started.
+    pub progress: Option<Vec<u8>>,
 }
 
 impl KeyRecord {
@@ -191,6 +199,32 @@ impl KeyRecord {
     pub fn lease_expired(&self) -> bool {
         self.lease_remaining.is_zero()
     }
+
+    /// Whether the row belongs to a durable operation that can be resumed from its stored
+    /// request: pending, external, with a request stored by its first step.
+    pub fn is_resumable(&self) -> bool {
+        self.state == KeyState::Pending
+            && self.effects == Effects::External
+            && self.request.is_some()
+    }
+}
+
+/// What a durable step writes with its business rows: the key's new recovery point and journal,
+/// and (with the first write) the request. See [`Store::save_progress`].
+///
+/// ```
+/// use idempotency::store::Progress;
+/// let progress = Progress { recovery_point: "debited", journal: br#"{"done":{}}"#, request: None };
+/// assert_eq!(progress.recovery_point, "debited");
+/// ```
+#[derive(Debug, Clone, Copy)]
+pub struct Progress<'a> {
+    /// The name of the point reached.
+    pub recovery_point: &'a str,
+    /// The whole journal, as JSON.
+    pub journal: &'a [u8],
+    /// The canonical request, written only where none is stored yet.
+    pub request: Option<&'a [u8]>,
 }
 
 /// What to write when reserving a key (or taking it over).
@@ -339,6 +373,42 @@ pub trait Store: Clone + Send + Sync + 'static {
         key: &IdempotencyKey,
         token: LeaseToken,
         reason: &str,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// Inside a durable step's transaction: writes `progress` (recovery point, journal, and the
+    /// request where none is stored yet), only where the key is pending with `token`. `false`
+    /// means the lease was lost: the step's transaction must roll back (fencing).
+    fn save_progress(
+        &self,
+        tx: &mut sqlx::Transaction<'static, Self::Database>,
+        key: &IdempotencyKey,
+        token: LeaseToken,
+        progress: &Progress<'_>,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// Claims a pending key whose lease has ended, keeping everything it holds (progress,
+    /// request, `recovery_attempts`): replaces the lease token `stale` by `fresh` and sets
+    /// `lease_until = now() + lease`, only where the row is still `pending`, still carries
+    /// `stale` and its lease has ended. `true` means the caller now holds the key with `fresh`:
+    /// the previous holder can no longer write (its token is gone). The recovery job and a
+    /// client retry of a durable operation both claim this way, so exactly one of them drives.
+    fn claim_for_recovery(
+        &self,
+        key: &IdempotencyKey,
+        stale: LeaseToken,
+        fresh: LeaseToken,
+        lease: Duration,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// Notes that an outside outcome is unknown: `recovery_attempts += 1` and
+    /// `lease_until = now() + retry_after` (when the recovery job, or a retry, may look again),
+    /// only where the key is `pending` with `token`. The key stays pending with `token`. Returns
+    /// whether it did.
+    fn note_unknown(
+        &self,
+        key: &IdempotencyKey,
+        token: LeaseToken,
+        retry_after: Duration,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send;
 }
 

@@ -25,11 +25,22 @@ use std::time::Duration;
 use uuid::Uuid;
 
 /// The key table's migrations, applied in order by [`Store::migrate`].
-pub const MIGRATIONS: &[(i64, &str, &str)] = &[(
-    1,
-    "create idempotency_keys",
-    include_str!("../../migrations/mysql/0001_idempotency_keys.sql"),
-)];
+pub const MIGRATIONS: &[(i64, &str, &str)] = &[
+    (
+        1,
+        "create idempotency_keys",
+        include_str!("../../migrations/mysql/0001_idempotency_keys.sql"),
+    ),
+    (
+        2,
+        "durable steps: recovery point, request, progress",
+        include_str!("../../migrations/mysql/0002_durable_steps.sql"),
+    ),
+];
+
+/// MySQL error 1060 (`ER_DUP_FIELDNAME`): a column added by a migration exists already (the
+/// migration ran, its bookkeeping row did not).
+const ER_DUP_FIELDNAME: u16 = 1060;
 
 /// The `GET_LOCK` name serialising migrations of one database (lock names are server-wide and at
 /// most 64 characters, hence the digest of the database name).
@@ -58,7 +69,7 @@ macro_rules! columns {
         "k.scope, k.operation, k.idem_key, k.state, k.effects, k.fingerprint, k.lease_token, \
          CAST(GREATEST(0, CEIL(TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), k.lease_until) / 1000)) AS SIGNED) AS lease_remaining_ms, \
          CAST(k.expires_at <= UTC_TIMESTAMP(6) AS SIGNED) AS expired, k.result, k.reason, k.recovery_attempts, \
-         k.created_at, k.updated_at, k.lease_until, k.expires_at"
+         k.created_at, k.updated_at, k.lease_until, k.expires_at, k.recovery_point, k.request, k.progress"
     };
 }
 
@@ -83,6 +94,7 @@ const TAKE_OVER: &str = "UPDATE idempotency_keys SET
         lease_until = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND,
         expires_at = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND,
         result = NULL, reason = NULL, recovery_attempts = 0,
+        recovery_point = NULL, request = NULL, progress = NULL,
         updated_at = UTC_TIMESTAMP(6)
     WHERE scope = ? AND operation = ? AND idem_key = ? AND lease_token = ?
       AND (state = 'failed'
@@ -90,7 +102,7 @@ const TAKE_OVER: &str = "UPDATE idempotency_keys SET
            OR (state = 'pending' AND effects = 'local' AND lease_until <= UTC_TIMESTAMP(6)))";
 
 const COMPLETE: &str = "UPDATE idempotency_keys SET
-        state = 'completed', result = ?, updated_at = UTC_TIMESTAMP(6),
+        state = 'completed', result = ?, request = NULL, updated_at = UTC_TIMESTAMP(6),
         expires_at = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND
     WHERE scope = ? AND operation = ? AND idem_key = ? AND state = 'pending' AND lease_token = ?";
 
@@ -207,6 +219,9 @@ fn record(row: &MySqlRow) -> Result<KeyRecord, StoreError> {
         updated_at: row.try_get("updated_at")?,
         lease_until: row.try_get("lease_until")?,
         expires_at: row.try_get("expires_at")?,
+        recovery_point: optional_text(row, "recovery_point")?,
+        request: row.try_get("request")?,
+        progress: row.try_get("progress")?,
     })
 }
 
@@ -234,10 +249,15 @@ async fn apply_migrations(conn: &mut PoolConnection<MySql>) -> Result<(), StoreE
         // DDL commits implicitly and cannot be rolled back: every statement is idempotent, so a
         // migration interrupted before its bookkeeping row is simply applied again.
         for statement in super::statements(sql) {
-            sqlx::query(&statement)
-                .execute(&mut **conn)
-                .await
-                .map_err(|e| StoreError::Migration(format!("{version} {description}: {e}")))?;
+            match sqlx::query(&statement).execute(&mut **conn).await {
+                Ok(_) => {}
+                Err(e) if error_number(&e) == Some(ER_DUP_FIELDNAME) => {}
+                Err(e) => {
+                    return Err(StoreError::Migration(format!(
+                        "{version} {description}: {e}"
+                    )))
+                }
+            }
         }
         sqlx::query(
             "INSERT INTO idempotency_schema_migrations (version, description, applied_at)
@@ -447,6 +467,82 @@ impl Store for MySqlStore {
             .await?;
         Ok(parked == 1)
     }
+
+    async fn claim_for_recovery(
+        &self,
+        key: &IdempotencyKey,
+        stale: LeaseToken,
+        fresh: LeaseToken,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        self.conditional(|| {
+            sqlx::query(
+                "UPDATE idempotency_keys SET
+                    lease_token = ?, lease_until = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND,
+                    updated_at = UTC_TIMESTAMP(6)
+                 WHERE scope = ? AND operation = ? AND idem_key = ?
+                   AND state = 'pending' AND lease_token = ? AND lease_until <= UTC_TIMESTAMP(6)",
+            )
+            .bind(fresh.0.as_bytes().as_slice())
+            .bind(micros(lease))
+            .bind(key.scope().as_bytes())
+            .bind(key.operation().as_bytes())
+            .bind(key.key().as_bytes())
+            .bind(stale.0.as_bytes().as_slice())
+        })
+        .await
+    }
+
+    async fn note_unknown(
+        &self,
+        key: &IdempotencyKey,
+        token: LeaseToken,
+        retry_after: Duration,
+    ) -> Result<bool, StoreError> {
+        self.conditional(|| {
+            sqlx::query(
+                "UPDATE idempotency_keys SET
+                    recovery_attempts = recovery_attempts + 1,
+                    lease_until = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND,
+                    updated_at = UTC_TIMESTAMP(6)
+                 WHERE scope = ? AND operation = ? AND idem_key = ?
+                   AND state = 'pending' AND lease_token = ?",
+            )
+            .bind(micros(retry_after))
+            .bind(key.scope().as_bytes())
+            .bind(key.operation().as_bytes())
+            .bind(key.key().as_bytes())
+            .bind(token.0.as_bytes().as_slice())
+        })
+        .await
+    }
+
+    async fn save_progress(
+        &self,
+        tx: &mut Transaction<'static, MySql>,
+        key: &IdempotencyKey,
+        token: LeaseToken,
+        progress: &super::Progress<'_>,
+    ) -> Result<bool, StoreError> {
+        // Like `complete`, the UPDATE reads the latest committed row, so a claim committed after
+        // this transaction began fences us out.
+        let done = sqlx::query(
+            "UPDATE idempotency_keys SET
+                recovery_point = ?, progress = ?, request = COALESCE(request, ?),
+                updated_at = UTC_TIMESTAMP(6)
+             WHERE scope = ? AND operation = ? AND idem_key = ? AND state = 'pending' AND lease_token = ?",
+        )
+        .bind(progress.recovery_point)
+        .bind(progress.journal)
+        .bind(progress.request)
+        .bind(key.scope().as_bytes())
+        .bind(key.operation().as_bytes())
+        .bind(key.key().as_bytes())
+        .bind(token.0.as_bytes().as_slice())
+        .execute(&mut **tx)
+        .await?;
+        Ok(done.rows_affected() == 1)
+    }
 }
 
 // --- Maintenance: recovery, purge, listing, resolution, statistics ------------------------------
@@ -503,31 +599,6 @@ impl super::Maintenance for MySqlStore {
             .collect()
     }
 
-    async fn claim_for_recovery(
-        &self,
-        key: &IdempotencyKey,
-        stale: LeaseToken,
-        fresh: LeaseToken,
-        lease: Duration,
-    ) -> Result<bool, StoreError> {
-        self.conditional(|| {
-            sqlx::query(
-                "UPDATE idempotency_keys SET
-                    lease_token = ?, lease_until = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND,
-                    updated_at = UTC_TIMESTAMP(6)
-                 WHERE scope = ? AND operation = ? AND idem_key = ?
-                   AND state = 'pending' AND lease_token = ? AND lease_until <= UTC_TIMESTAMP(6)",
-            )
-            .bind(fresh.0.as_bytes().as_slice())
-            .bind(micros(lease))
-            .bind(key.scope().as_bytes())
-            .bind(key.operation().as_bytes())
-            .bind(key.key().as_bytes())
-            .bind(stale.0.as_bytes().as_slice())
-        })
-        .await
-    }
-
     async fn complete_recovered(
         &self,
         key: &IdempotencyKey,
@@ -547,30 +618,6 @@ impl super::Maintenance for MySqlStore {
             .bind(result)
             .bind(reason)
             .bind(micros(retention))
-            .bind(key.scope().as_bytes())
-            .bind(key.operation().as_bytes())
-            .bind(key.key().as_bytes())
-            .bind(token.0.as_bytes().as_slice())
-        })
-        .await
-    }
-
-    async fn note_unknown(
-        &self,
-        key: &IdempotencyKey,
-        token: LeaseToken,
-        retry_after: Duration,
-    ) -> Result<bool, StoreError> {
-        self.conditional(|| {
-            sqlx::query(
-                "UPDATE idempotency_keys SET
-                    recovery_attempts = recovery_attempts + 1,
-                    lease_until = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND,
-                    updated_at = UTC_TIMESTAMP(6)
-                 WHERE scope = ? AND operation = ? AND idem_key = ?
-                   AND state = 'pending' AND lease_token = ?",
-            )
-            .bind(micros(retry_after))
             .bind(key.scope().as_bytes())
             .bind(key.operation().as_bytes())
             .bind(key.key().as_bytes())
@@ -976,6 +1023,27 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_migration_applied_without_its_bookkeeping_row_is_taken_as_applied() {
+        let Some(store) = store_with(None).await else {
+            return;
+        };
+        store.migrate().await.unwrap();
+        // A crash between migration 2's ALTER and its bookkeeping row.
+        sqlx::query("DELETE FROM idempotency_schema_migrations WHERE version = 2")
+            .execute(store.pool())
+            .await
+            .unwrap();
+        store.migrate().await.unwrap();
+        let versions: Vec<i64> = sqlx::query_scalar(
+            "SELECT version FROM idempotency_schema_migrations ORDER BY version",
+        )
+        .fetch_all(store.pool())
+        .await
+        .unwrap();
+        assert_eq!(versions, vec![1, 2]);
+    }
+
+    #[tokio::test]
     async fn migrate_records_each_version_once() {
         let Some(store) = store_with(None).await else {
             return;
@@ -987,7 +1055,7 @@ mod tests {
                 .fetch_all(store.pool())
                 .await
                 .unwrap();
-        assert_eq!(versions, vec![1]);
+        assert_eq!(versions, vec![1, 2]);
         // The lock is released: another connection can take it at once.
         let free: Option<i64> =
             sqlx::query_scalar(&format!("SELECT IS_FREE_LOCK({MIGRATION_LOCK})"))

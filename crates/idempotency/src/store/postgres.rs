@@ -23,6 +23,11 @@ pub const MIGRATIONS: &[(i64, &str, &str)] = &[
         "keys compare byte by byte (COLLATE \"C\")",
         include_str!("../../migrations/postgres/0002_keys_collate_c.sql"),
     ),
+    (
+        3,
+        "durable steps: recovery point, request, progress",
+        include_str!("../../migrations/postgres/0003_durable_steps.sql"),
+    ),
 ];
 
 /// Lock id for `pg_advisory_xact_lock` while migrating ("idem" in ASCII).
@@ -33,7 +38,7 @@ macro_rules! columns {
         "k.scope, k.operation, k.idem_key, k.state, k.effects, k.fingerprint, k.lease_token, \
          GREATEST(0, CEIL(EXTRACT(EPOCH FROM (k.lease_until - now())) * 1000))::BIGINT AS lease_remaining_ms, \
          (k.expires_at <= now()) AS expired, k.result, k.reason, k.recovery_attempts, \
-         k.created_at, k.updated_at, k.lease_until, k.expires_at"
+         k.created_at, k.updated_at, k.lease_until, k.expires_at, k.recovery_point, k.request, k.progress"
     };
 }
 
@@ -143,6 +148,9 @@ fn record(row: &PgRow) -> Result<KeyRecord, StoreError> {
         updated_at: row.try_get("updated_at")?,
         lease_until: row.try_get("lease_until")?,
         expires_at: row.try_get("expires_at")?,
+        recovery_point: row.try_get("recovery_point")?,
+        request: row.try_get("request")?,
+        progress: row.try_get("progress")?,
     })
 }
 
@@ -257,6 +265,7 @@ impl Store for PgStore {
                 lease_until = now() + $7 * INTERVAL '1 millisecond',
                 expires_at = now() + $8 * INTERVAL '1 millisecond',
                 result = NULL, reason = NULL, recovery_attempts = 0,
+                recovery_point = NULL, request = NULL, progress = NULL,
                 created_at = CASE WHEN state = 'pending' THEN created_at ELSE now() END,
                 updated_at = now()
              WHERE scope = $1 AND operation = $2 AND idem_key = $3 AND lease_token = $9
@@ -298,7 +307,7 @@ impl Store for PgStore {
     ) -> Result<bool, StoreError> {
         let done = sqlx::query(
             "UPDATE idempotency_keys SET
-                state = 'completed', result = $5, updated_at = clock_timestamp(),
+                state = 'completed', result = $5, request = NULL, updated_at = clock_timestamp(),
                 expires_at = clock_timestamp() + $6 * INTERVAL '1 millisecond'
              WHERE scope = $1 AND operation = $2 AND idem_key = $3
                AND state = 'pending' AND lease_token = $4",
@@ -346,6 +355,80 @@ impl Store for PgStore {
         .bind(token.0)
         .bind(reason)
         .execute(&self.pool)
+        .await?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn claim_for_recovery(
+        &self,
+        key: &IdempotencyKey,
+        stale: LeaseToken,
+        fresh: LeaseToken,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        self.conditional(
+            sqlx::query(
+                "UPDATE idempotency_keys SET
+                    lease_token = $5, lease_until = now() + $6 * INTERVAL '1 millisecond',
+                    updated_at = now()
+                 WHERE scope = $1 AND operation = $2 AND idem_key = $3
+                   AND state = 'pending' AND lease_token = $4 AND lease_until <= now()",
+            )
+            .bind(key.scope())
+            .bind(key.operation())
+            .bind(key.key())
+            .bind(stale.0)
+            .bind(fresh.0)
+            .bind(millis(lease)),
+        )
+        .await
+    }
+
+    async fn note_unknown(
+        &self,
+        key: &IdempotencyKey,
+        token: LeaseToken,
+        retry_after: Duration,
+    ) -> Result<bool, StoreError> {
+        self.conditional(
+            sqlx::query(
+                "UPDATE idempotency_keys SET
+                    recovery_attempts = recovery_attempts + 1,
+                    lease_until = now() + $5 * INTERVAL '1 millisecond', updated_at = now()
+                 WHERE scope = $1 AND operation = $2 AND idem_key = $3
+                   AND state = 'pending' AND lease_token = $4",
+            )
+            .bind(key.scope())
+            .bind(key.operation())
+            .bind(key.key())
+            .bind(token.0)
+            .bind(millis(retry_after)),
+        )
+        .await
+    }
+
+    async fn save_progress(
+        &self,
+        tx: &mut Transaction<'static, Postgres>,
+        key: &IdempotencyKey,
+        token: LeaseToken,
+        progress: &super::Progress<'_>,
+    ) -> Result<bool, StoreError> {
+        let done = sqlx::query(
+            "UPDATE idempotency_keys SET
+                recovery_point = $5, progress = $6, request = COALESCE(request, $7),
+                updated_at = clock_timestamp()
+             WHERE scope = $1 AND operation = $2 AND idem_key = $3
+               AND state = 'pending' AND lease_token = $4",
+        )
+        .bind(key.scope())
+        .bind(key.operation())
+        .bind(key.key())
+        .bind(token.0)
+        .bind(progress.recovery_point)
+        .bind(progress.journal)
+        .bind(progress.request)
+        .execute(&mut **tx)
         .await?;
         Ok(done.rows_affected() == 1)
     }
@@ -397,31 +480,6 @@ impl super::Maintenance for PgStore {
             .collect()
     }
 
-    async fn claim_for_recovery(
-        &self,
-        key: &IdempotencyKey,
-        stale: LeaseToken,
-        fresh: LeaseToken,
-        lease: Duration,
-    ) -> Result<bool, StoreError> {
-        self.conditional(
-            sqlx::query(
-                "UPDATE idempotency_keys SET
-                    lease_token = $5, lease_until = now() + $6 * INTERVAL '1 millisecond',
-                    updated_at = now()
-                 WHERE scope = $1 AND operation = $2 AND idem_key = $3
-                   AND state = 'pending' AND lease_token = $4 AND lease_until <= now()",
-            )
-            .bind(key.scope())
-            .bind(key.operation())
-            .bind(key.key())
-            .bind(stale.0)
-            .bind(fresh.0)
-            .bind(millis(lease)),
-        )
-        .await
-    }
-
     async fn complete_recovered(
         &self,
         key: &IdempotencyKey,
@@ -445,29 +503,6 @@ impl super::Maintenance for PgStore {
             .bind(result)
             .bind(reason)
             .bind(millis(retention)),
-        )
-        .await
-    }
-
-    async fn note_unknown(
-        &self,
-        key: &IdempotencyKey,
-        token: LeaseToken,
-        retry_after: Duration,
-    ) -> Result<bool, StoreError> {
-        self.conditional(
-            sqlx::query(
-                "UPDATE idempotency_keys SET
-                    recovery_attempts = recovery_attempts + 1,
-                    lease_until = now() + $5 * INTERVAL '1 millisecond', updated_at = now()
-                 WHERE scope = $1 AND operation = $2 AND idem_key = $3
-                   AND state = 'pending' AND lease_token = $4",
-            )
-            .bind(key.scope())
-            .bind(key.operation())
-            .bind(key.key())
-            .bind(token.0)
-            .bind(millis(retry_after)),
         )
         .await
     }

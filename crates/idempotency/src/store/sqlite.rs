@@ -19,11 +19,18 @@ use std::{str::FromStr, time::Duration};
 use uuid::Uuid;
 
 /// The key table's migrations, applied in order by [`Store::migrate`].
-pub const MIGRATIONS: &[(i64, &str, &str)] = &[(
-    1,
-    "create idempotency_keys",
-    include_str!("../../migrations/sqlite/0001_idempotency_keys.sql"),
-)];
+pub const MIGRATIONS: &[(i64, &str, &str)] = &[
+    (
+        1,
+        "create idempotency_keys",
+        include_str!("../../migrations/sqlite/0001_idempotency_keys.sql"),
+    ),
+    (
+        2,
+        "durable steps: recovery point, request, progress",
+        include_str!("../../migrations/sqlite/0002_durable_steps.sql"),
+    ),
+];
 
 /// SQLite's clock in milliseconds since the Unix epoch.
 macro_rules! now_ms {
@@ -42,7 +49,7 @@ macro_rules! columns {
              (expires_at <= ",
             now_ms!(),
             ") AS expired, result, reason, recovery_attempts, \
-             created_at, updated_at, lease_until, expires_at"
+             created_at, updated_at, lease_until, expires_at, recovery_point, request, progress"
         )
     };
 }
@@ -130,6 +137,9 @@ fn record(row: &SqliteRow) -> Result<KeyRecord, StoreError> {
         updated_at: time(row, "updated_at")?,
         lease_until: time(row, "lease_until")?,
         expires_at: time(row, "expires_at")?,
+        recovery_point: row.try_get("recovery_point")?,
+        request: row.try_get("request")?,
+        progress: row.try_get("progress")?,
     })
 }
 
@@ -255,6 +265,7 @@ impl Store for SqliteStore {
             now_ms!(),
             " + ?8,
                 result = NULL, reason = NULL, recovery_attempts = 0,
+                recovery_point = NULL, request = NULL, progress = NULL,
                 created_at = CASE WHEN state = 'pending' THEN created_at ELSE ",
             now_ms!(),
             " END,
@@ -312,7 +323,7 @@ impl Store for SqliteStore {
     ) -> Result<bool, StoreError> {
         let done = sqlx::query(concat!(
             "UPDATE idempotency_keys SET
-                state = 'completed', result = ?5, updated_at = ",
+                state = 'completed', result = ?5, request = NULL, updated_at = ",
             now_ms!(),
             ",
                 expires_at = ",
@@ -368,6 +379,84 @@ impl Store for SqliteStore {
         .await?;
         Ok(done.rows_affected() == 1)
     }
+
+    async fn claim_for_recovery(
+        &self,
+        key: &IdempotencyKey,
+        stale: LeaseToken,
+        fresh: LeaseToken,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        let done = sqlx::query(concat!(
+            "UPDATE idempotency_keys SET lease_token = ?5, lease_until = ",
+            now_ms!(),
+            " + ?6, updated_at = ",
+            now_ms!(),
+            " WHERE scope = ?1 AND operation = ?2 AND idem_key = ?3
+               AND state = 'pending' AND lease_token = ?4 AND lease_until <= ",
+            now_ms!()
+        ))
+        .bind(key.scope())
+        .bind(key.operation())
+        .bind(key.key())
+        .bind(stale.0.as_bytes().as_slice())
+        .bind(fresh.0.as_bytes().as_slice())
+        .bind(millis(lease))
+        .execute(&self.pool)
+        .await?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn note_unknown(
+        &self,
+        key: &IdempotencyKey,
+        token: LeaseToken,
+        retry_after: Duration,
+    ) -> Result<bool, StoreError> {
+        let done = sqlx::query(concat!(
+            "UPDATE idempotency_keys SET recovery_attempts = recovery_attempts + 1, lease_until = ",
+            now_ms!(),
+            " + ?5, updated_at = ",
+            now_ms!(),
+            " WHERE scope = ?1 AND operation = ?2 AND idem_key = ?3
+               AND state = 'pending' AND lease_token = ?4"
+        ))
+        .bind(key.scope())
+        .bind(key.operation())
+        .bind(key.key())
+        .bind(token.0.as_bytes().as_slice())
+        .bind(millis(retry_after))
+        .execute(&self.pool)
+        .await?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn save_progress(
+        &self,
+        tx: &mut Transaction<'static, Sqlite>,
+        key: &IdempotencyKey,
+        token: LeaseToken,
+        progress: &super::Progress<'_>,
+    ) -> Result<bool, StoreError> {
+        let done = sqlx::query(concat!(
+            "UPDATE idempotency_keys SET
+                recovery_point = ?5, progress = ?6, request = COALESCE(request, ?7),
+                updated_at = ",
+            now_ms!(),
+            " WHERE scope = ?1 AND operation = ?2 AND idem_key = ?3
+               AND state = 'pending' AND lease_token = ?4"
+        ))
+        .bind(key.scope())
+        .bind(key.operation())
+        .bind(key.key())
+        .bind(token.0.as_bytes().as_slice())
+        .bind(progress.recovery_point)
+        .bind(progress.journal)
+        .bind(progress.request)
+        .execute(&mut **tx)
+        .await?;
+        Ok(done.rows_affected() == 1)
+    }
 }
 
 // --- Maintenance: recovery, purge, listing, resolution, statistics ------------------------------
@@ -414,33 +503,6 @@ impl super::Maintenance for SqliteStore {
             .collect()
     }
 
-    async fn claim_for_recovery(
-        &self,
-        key: &IdempotencyKey,
-        stale: LeaseToken,
-        fresh: LeaseToken,
-        lease: Duration,
-    ) -> Result<bool, StoreError> {
-        let done = sqlx::query(concat!(
-            "UPDATE idempotency_keys SET lease_token = ?5, lease_until = ",
-            now_ms!(),
-            " + ?6, updated_at = ",
-            now_ms!(),
-            " WHERE scope = ?1 AND operation = ?2 AND idem_key = ?3
-               AND state = 'pending' AND lease_token = ?4 AND lease_until <= ",
-            now_ms!()
-        ))
-        .bind(key.scope())
-        .bind(key.operation())
-        .bind(key.key())
-        .bind(stale.0.as_bytes().as_slice())
-        .bind(fresh.0.as_bytes().as_slice())
-        .bind(millis(lease))
-        .execute(&self.pool)
-        .await?;
-        Ok(done.rows_affected() == 1)
-    }
-
     async fn complete_recovered(
         &self,
         key: &IdempotencyKey,
@@ -464,30 +526,6 @@ impl super::Maintenance for SqliteStore {
         .bind(result)
         .bind(reason)
         .bind(millis(retention))
-        .execute(&self.pool)
-        .await?;
-        Ok(done.rows_affected() == 1)
-    }
-
-    async fn note_unknown(
-        &self,
-        key: &IdempotencyKey,
-        token: LeaseToken,
-        retry_after: Duration,
-    ) -> Result<bool, StoreError> {
-        let done = sqlx::query(concat!(
-            "UPDATE idempotency_keys SET recovery_attempts = recovery_attempts + 1, lease_until = ",
-            now_ms!(),
-            " + ?5, updated_at = ",
-            now_ms!(),
-            " WHERE scope = ?1 AND operation = ?2 AND idem_key = ?3
-               AND state = 'pending' AND lease_token = ?4"
-        ))
-        .bind(key.scope())
-        .bind(key.operation())
-        .bind(key.key())
-        .bind(token.0.as_bytes().as_slice())
-        .bind(millis(retry_after))
         .execute(&self.pool)
         .await?;
         Ok(done.rows_affected() == 1)

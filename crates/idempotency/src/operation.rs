@@ -1,0 +1,233 @@
+//! Durable operations by name: the [`Operation`] trait, and the [`Operations`] registry through
+//! which the resumer finds the function of a key it took over.
+//!
+//! An operation is registered once, by its name (the operation part of its keys). The request
+//! path ([`Idempotency::perform`]), a client's retry (the same call, which takes over a key whose
+//! holder went away) and the resumer ([`Recovery::with_operations`](crate::recovery::Recovery::with_operations))
+//! all run the same [`Operation::run`], which continues from the last recovery point.
+//!
+//! ```
+//! # #[cfg(feature = "sqlite")]
+//! # mod demo {
+//! use idempotency::operation::{Operation, Operations};
+//! use idempotency::steps::{CallError, Finished, Lookup, StepError, Steps};
+//! use idempotency::store::sqlite::SqliteStore;
+//! use serde::{Deserialize, Serialize};
+//!
+//! #[derive(Serialize, Deserialize)]
+//! pub struct Charge { pub account: String, pub cents: i64 }
+//!
+//! pub struct ChargeCard;
+//!
+//! impl Operation<SqliteStore> for ChargeCard {
+//!     type Request = Charge;
+//!     type Response = String;
+//!     fn name(&self) -> &str { "charge-card" }
+//!     async fn run(&self, steps: &mut Steps<SqliteStore>, request: &Charge) -> Result<Finished<String>, StepError> {
+//!         let cents = request.cents;
+//!         // (a) a local step: its writes commit with the recovery point.
+//!         steps.local("reserve-funds", |tx| Box::pin(async move {
+//!             sqlx::query("UPDATE accounts SET held = held + ?1").bind(cents).execute(&mut **tx).await
+//!                 .map(|_| ())
+//!         })).await?;
+//!         // (b) an outside call with a key derived from ours, and a lookup by the same key.
+//!         let charge_id: String = steps.call(
+//!             "charge",
+//!             |provider_key| async move { Ok::<_, CallError>(format!("ch_{provider_key}")) },
+//!             |provider_key| async move { Lookup::Done(format!("ch_{provider_key}")) },
+//!         ).await?;
+//!         // (c) the last local writes and the key's completion, in one transaction.
+//!         steps.finish(|tx| Box::pin(async move {
+//!             sqlx::query("UPDATE accounts SET held = held - ?1").bind(cents).execute(&mut **tx).await?;
+//!             Ok::<_, sqlx::Error>(charge_id)
+//!         })).await
+//!     }
+//! }
+//!
+//! pub fn registry() -> Operations<SqliteStore> {
+//!     Operations::new().with(ChargeCard)
+//! }
+//! # }
+//! ```
+
+use crate::{
+    protocol::{Idempotency, Lease, PerformError},
+    steps::{Finished, Settlement, StepError, Steps},
+    store::{KeyRecord, Store},
+};
+use futures_util::{future::BoxFuture, FutureExt};
+use serde::{de::DeserializeOwned, Serialize};
+use std::{collections::HashMap, future::Future, panic::AssertUnwindSafe, sync::Arc};
+
+/// A durable operation: a name, a request type, and one async function of [`Steps`].
+///
+/// `run` must be written so that running it again from the top is correct: every effect goes
+/// through a step ([`Steps::local`], [`Steps::call`], [`Steps::call_unkeyed`]) and the last one is
+/// [`Steps::finish`] or [`Steps::fail`]. Code between steps must not write anywhere.
+pub trait Operation<S: Store>: Send + Sync + 'static {
+    /// What the client asks for; stored with the key (canonical JSON) so the operation can be
+    /// resumed without the client.
+    type Request: Serialize + DeserializeOwned + Send + Sync;
+    /// What the operation answers; stored with the key and replayed.
+    type Response: Serialize + DeserializeOwned + Send;
+
+    /// The operation part of its keys, under which it is registered.
+    fn name(&self) -> &str;
+
+    /// Runs (or continues) the operation for `request`.
+    fn run(
+        &self,
+        steps: &mut Steps<S>,
+        request: &Self::Request,
+    ) -> impl Future<Output = Result<Finished<Self::Response>, StepError>> + Send;
+}
+
+/// An operation behind a name, with its request decoded from the stored bytes.
+trait Resumable<S: Store>: Send + Sync {
+    fn resume<'a>(
+        &'a self,
+        engine: &'a Idempotency<S>,
+        lease: Lease<S>,
+        request: &'a [u8],
+    ) -> BoxFuture<'a, Result<Settlement, PerformError>>;
+}
+
+impl<S: Store, O: Operation<S>> Resumable<S> for O {
+    fn resume<'a>(
+        &'a self,
+        engine: &'a Idempotency<S>,
+        lease: Lease<S>,
+        request: &'a [u8],
+    ) -> BoxFuture<'a, Result<Settlement, PerformError>> {
+        Box::pin(async move {
+            let request: O::Request = match serde_json::from_slice(request) {
+                Ok(request) => request,
+                // Parking is the safe answer to a request this version cannot read.
+                Err(e) => {
+                    let reason = format!("the stored request cannot be read: {e}");
+                    return Err(match lease.park(&reason).await {
+                        Ok(true) => PerformError::Parked { reason },
+                        Ok(false) => PerformError::LeaseLost,
+                        Err(e) => PerformError::Interrupted(e.into()),
+                    });
+                }
+            };
+            engine
+                .perform_reserved(self, lease, &request)
+                .await
+                .map(|finished| finished.settlement())
+        })
+    }
+}
+
+/// The durable operations of a service, by name: what the resumer runs for a key it takes over.
+///
+/// ```
+/// # #[cfg(feature = "sqlite")]
+/// # {
+/// use idempotency::{operation::Operations, store::sqlite::SqliteStore};
+/// let registry: Operations<SqliteStore> = Operations::new();
+/// assert!(!registry.contains("purchase"));
+/// # }
+/// ```
+pub struct Operations<S: Store> {
+    by_name: HashMap<String, Arc<dyn Resumable<S>>>,
+}
+
+impl<S: Store> Clone for Operations<S> {
+    fn clone(&self) -> Self {
+        Self {
+            by_name: self.by_name.clone(),
+        }
+    }
+}
+
+impl<S: Store> Default for Operations<S> {
+    fn default() -> Self {
+        Self {
+            by_name: HashMap::new(),
+        }
+    }
+}
+
+impl<S: Store> std::fmt::Debug for Operations<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut names: Vec<&String> = self.by_name.keys().collect();
+        names.sort();
+        f.debug_struct("Operations").field("names", &names).finish()
+    }
+}
+
+impl<S: Store> Operations<S> {
+    /// An empty registry.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Registers `operation` under its name (a later one with the same name replaces it).
+    pub fn with<O: Operation<S>>(mut self, operation: O) -> Self {
+        self.by_name
+            .insert(operation.name().to_owned(), Arc::new(operation));
+        self
+    }
+
+    /// Registers an operation already shared with the request path.
+    pub fn with_shared<O: Operation<S>>(mut self, operation: Arc<O>) -> Self {
+        self.by_name.insert(
+            operation.name().to_owned(),
+            operation as Arc<dyn Resumable<S>>,
+        );
+        self
+    }
+
+    /// Whether an operation is registered under `name`.
+    pub fn contains(&self, name: &str) -> bool {
+        self.by_name.contains_key(name)
+    }
+
+    /// Continues the operation of `record`, a key claimed by `lease`, from its recovery point. A
+    /// key with no stored request made no outside call: it is released. `None` if no operation
+    /// of that name is registered (the lease is handed back unused).
+    pub(crate) async fn resume(
+        &self,
+        engine: &Idempotency<S>,
+        lease: Lease<S>,
+        record: &KeyRecord,
+    ) -> Result<Resumed, Lease<S>> {
+        let Some(operation) = self.by_name.get(record.key.operation()) else {
+            return Err(lease);
+        };
+        let Some(request) = record.request.as_deref() else {
+            return Ok(match lease.release().await {
+                Ok(true) => Resumed::Released,
+                Ok(false) => Resumed::Stopped(PerformError::LeaseLost),
+                Err(e) => Resumed::Stopped(PerformError::Interrupted(e.into())),
+            });
+        };
+        let resumed = AssertUnwindSafe(operation.resume(engine, lease, request))
+            .catch_unwind()
+            .await;
+        Ok(match resumed {
+            Ok(Ok(settlement)) => Resumed::Settled(settlement),
+            Ok(Err(error)) => Resumed::Stopped(error),
+            Err(_panic) => {
+                tracing::error!(key = %record.key, "a durable operation panicked while resumed; its key stays pending");
+                Resumed::Stopped(PerformError::Pending {
+                    retry_after: engine.step_policy().retry_after,
+                    reason: "the operation panicked".into(),
+                })
+            }
+        })
+    }
+}
+
+/// What resuming a key came to.
+#[derive(Debug)]
+pub(crate) enum Resumed {
+    /// The operation settled its key.
+    Settled(Settlement),
+    /// Nothing was recorded, so no outside call was made: the key was released.
+    Released,
+    /// The run stopped: pending again, parked, fenced out, or an error.
+    Stopped(PerformError),
+}

@@ -1,0 +1,219 @@
+//! [`MaintenanceWorker`]: the one background task a service starts to keep its keys healthy.
+//!
+//! Every pass it
+//! 1. **resumes** keys whose holder went away ([`Recovery`]): durable operations continue from
+//!    their recovery point, abandoned local keys are released, other external keys go to the
+//!    resolver or are parked;
+//! 2. **purges** expired keys in bounded batches (at most [`with_purge_batches`] batches of
+//!    [`with_purge_batch`] rows per pass, so a backlog never makes one pass long);
+//! 3. logs what it did at `debug` (and the table's statistics, when `debug` is enabled), never at
+//!    `info` on a quiet pass.
+//!
+//! ```no_run
+//! # #[cfg(feature = "sqlite")]
+//! # async fn demo() -> Result<(), idempotency::StoreError> {
+//! use idempotency::{store::{sqlite::SqliteStore, Store}, worker::MaintenanceWorker};
+//! let store = SqliteStore::connect("sqlite://shop.db").await?;
+//! store.migrate().await?;
+//! let worker = MaintenanceWorker::new(store).spawn();
+//! // … serve …
+//! let report = worker.shutdown().await;
+//! println!("{report}");
+//! # Ok(()) }
+//! ```
+//!
+//! [`with_purge_batches`]: MaintenanceWorker::with_purge_batches
+//! [`with_purge_batch`]: MaintenanceWorker::with_purge_batch
+
+use crate::{
+    operation::Operations,
+    protocol::Idempotency,
+    recovery::{NoResolver, Recovery, RecoveryReport, Resolver},
+    store::Maintenance,
+};
+use std::{fmt, time::Duration};
+use tokio::{sync::oneshot, task::JoinHandle};
+
+/// What a worker did over its life.
+///
+/// ```
+/// use idempotency::worker::WorkerReport;
+/// let report = WorkerReport::default();
+/// assert_eq!(report.to_string(), "passes 0, failed passes 0, purged 0; released 0, completed 0, failed 0, parked 0, unknown 0, skipped 0");
+/// ```
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct WorkerReport {
+    /// Passes run.
+    pub passes: u64,
+    /// Passes in which the store failed (retried at the next pass).
+    pub failed_passes: u64,
+    /// Expired keys purged.
+    pub purged: u64,
+    /// What recovery decided, summed.
+    pub recovery: RecoveryReport,
+}
+
+impl fmt::Display for WorkerReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "passes {}, failed passes {}, purged {}; {}",
+            self.passes, self.failed_passes, self.purged, self.recovery
+        )
+    }
+}
+
+/// Resumes, recovers and purges keys in one background task. See the [module](self).
+#[derive(Debug, Clone)]
+pub struct MaintenanceWorker<S: Maintenance, R = NoResolver> {
+    recovery: Recovery<S, R>,
+    interval: Duration,
+    purge_batch: u32,
+    purge_batches: u32,
+}
+
+impl<S: Maintenance> MaintenanceWorker<S, NoResolver> {
+    /// A worker with a pass every second, no durable operations and no resolver (abandoned
+    /// external keys are parked), purging at most 10 batches of 1,000 keys per pass.
+    pub fn new(store: S) -> Self {
+        Self {
+            recovery: Recovery::new(store),
+            interval: Duration::from_secs(1),
+            purge_batch: 1_000,
+            purge_batches: 10,
+        }
+    }
+}
+
+impl<S: Maintenance, R: Resolver> MaintenanceWorker<S, R> {
+    /// Resumes the durable `operations` (see [`Recovery::with_operations`]).
+    pub fn with_operations(mut self, engine: Idempotency<S>, operations: Operations<S>) -> Self {
+        self.recovery = self.recovery.with_operations(engine, operations);
+        self
+    }
+
+    /// Replaces the recovery job's settings (resolver, attempts, claim lease, retention …).
+    pub fn with_recovery<R2: Resolver>(
+        self,
+        recovery: Recovery<S, R2>,
+    ) -> MaintenanceWorker<S, R2> {
+        MaintenanceWorker {
+            recovery,
+            interval: self.interval,
+            purge_batch: self.purge_batch,
+            purge_batches: self.purge_batches,
+        }
+    }
+
+    /// The pause between passes (default 1 s).
+    pub fn with_interval(mut self, interval: Duration) -> Self {
+        self.interval = interval;
+        self
+    }
+
+    /// Rows per purge statement (default 1,000, at least 1).
+    pub fn with_purge_batch(mut self, rows: u32) -> Self {
+        self.purge_batch = rows.max(1);
+        self
+    }
+
+    /// Purge statements per pass at most (default 10; 0 turns purging off).
+    pub fn with_purge_batches(mut self, batches: u32) -> Self {
+        self.purge_batches = batches;
+        self
+    }
+
+    /// One pass: recovery, then a bounded purge. Returns what it did; a store failure is the
+    /// pass's error (the next pass tries again).
+    pub async fn run_once(&self) -> Result<WorkerReport, crate::StoreError> {
+        let recovered = self.recovery.run_once().await?;
+        let mut purged = 0;
+        for _ in 0..self.purge_batches {
+            let deleted = self.recovery.store().purge_batch(self.purge_batch).await?;
+            purged += deleted;
+            if deleted < u64::from(self.purge_batch) {
+                break;
+            }
+        }
+        Ok(WorkerReport {
+            passes: 1,
+            failed_passes: 0,
+            purged,
+            recovery: recovered,
+        })
+    }
+
+    /// Starts the worker in a task of its own. Stop it with [`WorkerHandle::shutdown`] (which
+    /// finishes the pass under way); dropping the handle aborts it.
+    pub fn spawn(self) -> WorkerHandle
+    where
+        R: Clone,
+    {
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(async move {
+            let mut total = WorkerReport::default();
+            let mut stopped = std::pin::pin!(stopped);
+            loop {
+                match self.run_once().await {
+                    Ok(pass) => {
+                        total.passes += 1;
+                        total.purged += pass.purged;
+                        total.recovery.add(&pass.recovery);
+                        tracing::debug!(report = %pass, "idempotency maintenance pass");
+                    }
+                    Err(error) => {
+                        total.passes += 1;
+                        total.failed_passes += 1;
+                        tracing::warn!(%error, "idempotency maintenance pass failed; retrying at the next one");
+                    }
+                }
+                if tracing::enabled!(tracing::Level::DEBUG) {
+                    if let Ok(stats) = self.recovery.store().stats().await {
+                        tracing::debug!(
+                            total = stats.total(),
+                            expired_leases = stats.expired_leases,
+                            purgeable = stats.purgeable,
+                            "idempotency keys"
+                        );
+                    }
+                }
+                tokio::select! {
+                    _ = &mut stopped => return total,
+                    _ = tokio::time::sleep(self.interval) => {}
+                }
+            }
+        });
+        WorkerHandle {
+            stop: Some(stop),
+            task: Some(task),
+        }
+    }
+}
+
+/// A running [`MaintenanceWorker`].
+#[derive(Debug)]
+pub struct WorkerHandle {
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<JoinHandle<WorkerReport>>,
+}
+
+impl WorkerHandle {
+    /// Stops the worker after the pass under way and returns what it did.
+    pub async fn shutdown(mut self) -> WorkerReport {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        match self.task.take() {
+            Some(task) => task.await.unwrap_or_default(),
+            None => WorkerReport::default(),
+        }
+    }
+}
+
+impl Drop for WorkerHandle {
+    fn drop(&mut self) {
+        if let Some(task) = self.task.take() {
+            task.abort();
+        }
+    }
+}

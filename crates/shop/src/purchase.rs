@@ -1,0 +1,434 @@
+//! `POST /purchases` as a **durable operation** ([`Purchase`]): three steps, each a recovery point
+//! committed with the key, so that a purchase whose client went away (or whose process died) is
+//! carried to its end by the shop's maintenance worker, never left charged without an order.
+//!
+//! 1. **order** (local): create the user if new, debit the balance (a conditional UPDATE) and
+//!    insert the order in `pending_payment`. A balance too low is a definitive 402, stored.
+//! 2. **charge** (outside): charge the payment provider with a key derived from ours
+//!    ([`idempotency::steps::provider_key`]). A lost answer is settled by asking the provider with
+//!    the same key ([`PaymentProvider::lookup`]).
+//! 3. **finish** (local): mark the order `paid` (guarded: only from `pending_payment`), record the
+//!    purchase, and complete the key with the 201 response, in one transaction.
+//!
+//! A payment that did not happen (the provider says *not done* after the step's calls, or
+//! declines) settles the purchase as **failed**: the debit is given back and the order cancelled,
+//! with a definitive 502 stored and replayed. If the order was cancelled meanwhile after the
+//! charge, the charge is refunded ([`PaymentProvider::refund`]) before the purchase settles as
+//! failed.
+
+use crate::{
+    app::{PURCHASE, START_BALANCE_CENTS},
+    db::{Backend, Conn},
+    on_conn,
+    problem::Problem,
+    providers::{Charge, PaymentProvider, ProviderError},
+};
+use axum::http::StatusCode;
+use idempotency::{
+    steps::{CallError, Lookup},
+    Finished, Operation, StepError, Steps,
+};
+use idempotency_http::StoredResponse;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+/// What the shop sells: `(sku, price in cents)`.
+pub const CATALOG: &[(&str, i64)] = &[("tea", 450), ("coffee", 380), ("mug", 1_200), ("pencil", 1)];
+
+/// Largest quantity of one line.
+pub const MAX_QUANTITY: i64 = 100;
+
+/// The price of `quantity` × `sku`, or why the line is unacceptable (422).
+///
+/// ```
+/// assert_eq!(shop::purchase::price("tea", 2).unwrap(), 900);
+/// assert_eq!(shop::purchase::price("tea", 0).unwrap_err().status(), 422);
+/// ```
+pub fn price(sku: &str, quantity: i64) -> Result<i64, Problem> {
+    let Some(&(_, unit)) = CATALOG.iter().find(|(known, _)| *known == sku) else {
+        let known: Vec<&str> = CATALOG.iter().map(|(sku, _)| *sku).collect();
+        return Err(Problem::unprocessable(
+            "unknown-sku",
+            "Unknown SKU",
+            format!(
+                "there is no product {sku:?}; known SKUs: {}",
+                known.join(", ")
+            ),
+        ));
+    };
+    if !(1..=MAX_QUANTITY).contains(&quantity) {
+        return Err(Problem::unprocessable(
+            "invalid-quantity",
+            "Invalid quantity",
+            format!("quantity must be between 1 and {MAX_QUANTITY}, not {quantity}"),
+        ));
+    }
+    Ok(unit * quantity)
+}
+
+/// A purchase as stored with its key: who buys what (the resumer needs no client).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PurchaseRequest {
+    /// The buyer.
+    pub user: String,
+    /// A SKU from [`CATALOG`].
+    pub sku: String,
+    /// 1 to [`MAX_QUANTITY`].
+    pub quantity: i64,
+}
+
+/// What step 1 did.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+pub enum Placed {
+    /// The order, debited and awaiting payment.
+    Order(i64),
+    /// The balance did not cover the amount: nothing was written.
+    Refused {
+        /// The balance at the time.
+        balance: i64,
+    },
+}
+
+/// Creates the user with the start balance if it is new.
+pub async fn ensure_user(conn: &mut Conn<'_>, user: &str) -> Result<(), sqlx::Error> {
+    on_conn!(conn.reborrow(), |c| sqlx::query(
+        "INSERT INTO shop_users (id, balance_cents) VALUES ($1, $2) ON CONFLICT (id) DO NOTHING"
+    )
+    .bind(user)
+    .bind(START_BALANCE_CENTS)
+    .execute(&mut *c)
+    .await?
+    .rows_affected());
+    Ok(())
+}
+
+/// Takes `amount` from the balance only if it covers it (a conditional UPDATE, so two concurrent
+/// debits can never overdraw). `Err(balance)` when it does not.
+pub async fn debit(
+    conn: &mut Conn<'_>,
+    user: &str,
+    amount: i64,
+) -> Result<Result<(), i64>, sqlx::Error> {
+    let debited = on_conn!(conn.reborrow(), |c| sqlx::query(
+        "UPDATE shop_users SET balance_cents = balance_cents - $2
+         WHERE id = $1 AND balance_cents >= $2"
+    )
+    .bind(user)
+    .bind(amount)
+    .execute(&mut *c)
+    .await?
+    .rows_affected());
+    if debited == 1 {
+        return Ok(Ok(()));
+    }
+    let balance: i64 = on_conn!(conn.reborrow(), |c| sqlx::query_scalar(
+        "SELECT balance_cents FROM shop_users WHERE id = $1"
+    )
+    .bind(user)
+    .fetch_one(&mut *c)
+    .await?);
+    Ok(Err(balance))
+}
+
+/// Inserts an order for `user` in `status`; returns its id.
+pub async fn insert_order(
+    conn: &mut Conn<'_>,
+    user: &str,
+    sku: &str,
+    quantity: i64,
+    amount: i64,
+    status: &str,
+) -> Result<i64, sqlx::Error> {
+    Ok(on_conn!(conn.reborrow(), |c| sqlx::query_scalar(
+        "INSERT INTO shop_orders (user_id, sku, quantity, amount_cents, status)
+         VALUES ($1, $2, $3, $4, $5) RETURNING id"
+    )
+    .bind(user)
+    .bind(sku)
+    .bind(quantity)
+    .bind(amount)
+    .bind(status)
+    .fetch_one(&mut *c)
+    .await?))
+}
+
+/// Step 1: the user, the debit and the order in `pending_payment`.
+pub async fn place_order(
+    mut conn: Conn<'_>,
+    request: &PurchaseRequest,
+    amount: i64,
+) -> Result<Placed, sqlx::Error> {
+    ensure_user(&mut conn, &request.user).await?;
+    if let Err(balance) = debit(&mut conn, &request.user, amount).await? {
+        return Ok(Placed::Refused { balance });
+    }
+    let order = insert_order(
+        &mut conn,
+        &request.user,
+        &request.sku,
+        request.quantity,
+        amount,
+        "pending_payment",
+    )
+    .await?;
+    Ok(Placed::Order(order))
+}
+
+/// The order is no longer awaiting payment (cancelled by someone else): it cannot be paid.
+#[derive(Debug, thiserror::Error)]
+#[error("order {0} is no longer awaiting payment")]
+pub struct OrderGone(pub i64);
+
+/// Step 3: `pending_payment → paid` (guarded) and the purchase row; returns the 201 body.
+pub async fn mark_paid(
+    mut conn: Conn<'_>,
+    request: &PurchaseRequest,
+    order: i64,
+    amount: i64,
+    charge: &Charge,
+) -> Result<Value, Box<dyn std::error::Error + Send + Sync>> {
+    let paid = on_conn!(conn.reborrow(), |c| {
+        sqlx::query(
+        "UPDATE shop_orders SET status = 'paid', charge_id = $2 WHERE id = $1 AND status = 'pending_payment'"
+    )
+    .bind(order)
+    .bind(&charge.charge_id)
+    .execute(&mut *c)
+    .await?
+    .rows_affected()
+    });
+    if paid != 1 {
+        return Err(Box::new(OrderGone(order)));
+    }
+    let purchase_id: i64 = on_conn!(conn.reborrow(), |c| sqlx::query_scalar(
+        "INSERT INTO shop_purchases (user_id, order_id) VALUES ($1, $2) RETURNING id"
+    )
+    .bind(&request.user)
+    .bind(order)
+    .fetch_one(&mut *c)
+    .await?);
+    Ok(json!({
+        "purchase_id": purchase_id,
+        "order_id": order,
+        "sku": request.sku,
+        "quantity": request.quantity,
+        "amount_cents": amount,
+        "charge_id": charge.charge_id,
+    }))
+}
+
+/// The compensation of step 1: the debit given back, the order cancelled (guarded).
+pub async fn cancel_order(
+    mut conn: Conn<'_>,
+    user: &str,
+    order: i64,
+    amount: i64,
+) -> Result<(), sqlx::Error> {
+    let cancelled = on_conn!(conn.reborrow(), |c| {
+        sqlx::query(
+        "UPDATE shop_orders SET status = 'cancelled' WHERE id = $1 AND status = 'pending_payment'"
+    )
+    .bind(order)
+    .execute(&mut *c)
+    .await?
+    .rows_affected()
+    });
+    if cancelled == 1 {
+        on_conn!(conn.reborrow(), |c| sqlx::query(
+            "UPDATE shop_users SET balance_cents = balance_cents + $2 WHERE id = $1"
+        )
+        .bind(user)
+        .bind(amount)
+        .execute(&mut *c)
+        .await?
+        .rows_affected());
+    }
+    Ok(())
+}
+
+/// A JSON body as a stored response.
+pub fn stored_json(status: StatusCode, body: &Value) -> StoredResponse {
+    StoredResponse {
+        status: status.as_u16(),
+        headers: vec![("content-type".into(), "application/json".into())],
+        body: serde_json::to_vec(body).expect("a JSON value serialises"),
+    }
+}
+
+fn refusal(amount: i64, balance: i64) -> StoredResponse {
+    Problem::new(
+        StatusCode::PAYMENT_REQUIRED,
+        "insufficient-balance",
+        "Insufficient balance",
+        format!("this costs {amount} cents but the balance is {balance} cents"),
+    )
+    .with("amount_cents", amount)
+    .with("balance_cents", balance)
+    .to_stored()
+}
+
+fn payment_failed(why: &str, order: i64) -> StoredResponse {
+    Problem::new(
+        StatusCode::BAD_GATEWAY,
+        "payment-failed",
+        "Payment failed",
+        format!("{why}; the order was cancelled and the balance given back. This answer is final for this Idempotency-Key: use a new key to buy again"),
+    )
+    .with("order_id", order)
+    .with("order_status", "cancelled")
+    .to_stored()
+}
+
+fn call_error(error: ProviderError) -> CallError {
+    match error {
+        ProviderError::Refused(reason) => CallError::Declined(reason),
+        other => CallError::Unknown(other.to_string()),
+    }
+}
+
+/// The purchase, as one function of its steps, run alike by the request, a retry and the
+/// resumer.
+#[derive(Debug, Clone)]
+pub struct Purchase {
+    payment: PaymentProvider,
+}
+
+impl Purchase {
+    /// The operation, charging through `payment`.
+    pub fn new(payment: PaymentProvider) -> Self {
+        Self { payment }
+    }
+}
+
+impl<S: Backend> Operation<S> for Purchase {
+    type Request = PurchaseRequest;
+    type Response = StoredResponse;
+
+    fn name(&self) -> &str {
+        PURCHASE.operation
+    }
+
+    async fn run(
+        &self,
+        steps: &mut Steps<S>,
+        request: &PurchaseRequest,
+    ) -> Result<Finished<StoredResponse>, StepError> {
+        let amount = price(&request.sku, request.quantity).map_err(|_| StepError::Local {
+            step: "price".into(),
+            source: format!("{} × {} is not for sale", request.quantity, request.sku).into(),
+        })?;
+
+        // 1. The debit and the order, committed with the recovery point "order".
+        // (Step closures own what they use: their futures may not borrow the caller's data.)
+        let placing = request.clone();
+        let placed = steps
+            .local("order", move |tx| {
+                Box::pin(async move { place_order(S::conn(tx), &placing, amount).await })
+            })
+            .await?;
+        let order = match placed {
+            Placed::Order(order) => order,
+            Placed::Refused { balance } => {
+                // Nothing was written: the refusal itself is the definitive answer.
+                let refused = refusal(amount, balance);
+                return steps
+                    .finish(|_| Box::pin(async move { Ok::<_, sqlx::Error>(refused) }))
+                    .await;
+            }
+        };
+
+        // 2. The charge, with a key derived from ours; a lost answer is looked up by that key.
+        let payment = &self.payment;
+        let user = request.user.as_str();
+        let charged = steps
+            .call(
+                "charge",
+                |key| async move { payment.charge(&key, user, amount).await.map_err(call_error) },
+                |key| async move {
+                    match payment.lookup(&key).await {
+                        Ok(Some(charge)) => Lookup::Done(charge),
+                        Ok(None) => Lookup::NotDone,
+                        Err(e) => Lookup::Unknown(e.to_string()),
+                    }
+                },
+            )
+            .await;
+        let charge = match charged {
+            Ok(charge) => charge,
+            Err(StepError::NotDone { .. }) => {
+                return fail(
+                    steps,
+                    request,
+                    order,
+                    amount,
+                    "the payment did not go through",
+                )
+                .await
+            }
+            Err(StepError::Declined { reason, .. }) => {
+                let why = format!("the payment was declined: {reason}");
+                return fail(steps, request, order, amount, &why).await;
+            }
+            Err(other) => return Err(other),
+        };
+
+        // 3. Paid, recorded, and the key completed with the 201, in one transaction.
+        let (paying, paid_with) = (request.clone(), charge.clone());
+        let finished = steps
+            .finish(move |tx| {
+                Box::pin(async move {
+                    let body = mark_paid(S::conn(tx), &paying, order, amount, &paid_with).await?;
+                    Ok::<_, Box<dyn std::error::Error + Send + Sync>>(stored_json(
+                        StatusCode::CREATED,
+                        &body,
+                    ))
+                })
+            })
+            .await;
+        match finished {
+            Err(StepError::Local { source, .. }) if source.is::<OrderGone>() => {
+                // Charged for an order nobody can pay any more: refund, then settle as failed.
+                let charge_id = charge.charge_id.clone();
+                steps
+                    .call(
+                        "refund",
+                        |key| {
+                            let charge_id = charge_id.clone();
+                            async move { payment.refund(&key, &charge_id).await.map_err(call_error) }
+                        },
+                        |_key| async { Lookup::NotDone },
+                    )
+                    .await?;
+                fail(
+                    steps,
+                    request,
+                    order,
+                    amount,
+                    "the order was cancelled; the charge was refunded",
+                )
+                .await
+            }
+            other => other,
+        }
+    }
+}
+
+/// Settles the purchase as failed: the debit back, the order cancelled, a definitive 502.
+async fn fail<S: Backend>(
+    steps: &mut Steps<S>,
+    request: &PurchaseRequest,
+    order: i64,
+    amount: i64,
+    why: &str,
+) -> Result<Finished<StoredResponse>, StepError> {
+    let answer = payment_failed(why, order);
+    let user = request.user.clone();
+    steps
+        .fail(why, move |tx| {
+            Box::pin(async move {
+                cancel_order(S::conn(tx), &user, order, amount).await?;
+                Ok::<_, sqlx::Error>(answer)
+            })
+        })
+        .await
+}
