@@ -171,9 +171,26 @@ impl<S: Store> Lease<S> {
     }
 
     /// Releases the key if it is still pending with our token. Returns whether it was released.
+    ///
+    /// A lease that [resumed](Self::is_resumed) a durable operation never releases: steps of
+    /// that operation took effect, and deleting the key would lose its journal. Its key stays
+    /// pending with our token until the lease ends; then the resumer carries it on.
     pub async fn release(mut self) -> Result<bool, StoreError> {
         self.armed = false;
+        if self.keeps_progress() {
+            return Ok(false);
+        }
         self.store.release(&self.key, self.token).await
+    }
+
+    /// Whether this lease holds recorded progress that a release would lose (see
+    /// [`release`](Self::release)).
+    fn keeps_progress(&self) -> bool {
+        if self.resumed.is_some() {
+            tracing::warn!(key = %self.key, "a resumed durable operation is never released; it stays pending for the resumer");
+            return true;
+        }
+        false
     }
 
     /// Parks the key as `needs_review` if it is still pending with our token.
@@ -194,6 +211,9 @@ impl<S: Store> Lease<S> {
 
     async fn release_quietly(&mut self) {
         self.armed = false;
+        if self.keeps_progress() {
+            return;
+        }
         if let Err(error) = self.store.release(&self.key, self.token).await {
             tracing::warn!(%error, key = %self.key, "could not release idempotency key; it stays pending until its lease ends");
         }
@@ -204,6 +224,9 @@ impl<S: Store> Lease<S> {
     /// From a drop: releases the key in a task of its own (a drop cannot wait).
     fn release_in_background(&mut self) {
         self.armed = false;
+        if self.keeps_progress() {
+            return;
+        }
         let (store, key, token) = (self.store.clone(), self.key.clone(), self.token);
         match tokio::runtime::Handle::try_current() {
             Ok(runtime) => {
@@ -504,7 +527,9 @@ impl<S: Store> Idempotency<S> {
             effects: record.effects,
             retention: self.retention,
             armed: true,
-            resumed: Some(Box::new(record.clone())),
+            // Only a key with recorded progress is resumed; one with nothing recorded made no
+            // outside call and may be released.
+            resumed: record.request.is_some().then(|| Box::new(record.clone())),
         }
     }
 

@@ -45,7 +45,7 @@ use crate::{
     store::{Effects, KeyRecord, KeyState, LeaseToken, Maintenance, Resolution},
     IdempotencyKey,
 };
-use futures_util::FutureExt;
+use futures_util::{stream::FuturesUnordered, FutureExt, StreamExt};
 use std::{fmt, future::Future, panic::AssertUnwindSafe, time::Duration};
 
 /// What the provider says about an external operation whose worker vanished.
@@ -183,6 +183,7 @@ pub struct Recovery<S: Maintenance, R = NoResolver> {
     resolver_timeout: Duration,
     retry_after: Duration,
     retention: Duration,
+    concurrency: usize,
 }
 
 impl<S: Maintenance> Recovery<S, NoResolver> {
@@ -199,6 +200,7 @@ impl<S: Maintenance> Recovery<S, NoResolver> {
             resolver_timeout: Duration::from_secs(30),
             retry_after: Duration::ZERO,
             retention: Duration::from_secs(24 * 60 * 60),
+            concurrency: 8,
         }
     }
 
@@ -214,6 +216,7 @@ impl<S: Maintenance> Recovery<S, NoResolver> {
             resolver_timeout: self.resolver_timeout,
             retry_after: self.retry_after,
             retention: self.retention,
+            concurrency: self.concurrency,
         }
     }
 }
@@ -275,12 +278,46 @@ impl<S: Maintenance, R: Resolver> Recovery<S, R> {
     }
 
     /// One pass: looks at up to `batch` pending keys whose lease ended and decides each.
+    ///
+    /// Up to [`with_concurrency`](Self::with_concurrency) keys are decided at once (each key is
+    /// claimed on its own, so they never interfere); a store failure ends the pass after the keys
+    /// under way are decided.
     pub async fn run_once(&self) -> Result<RecoveryReport, StoreError> {
-        let mut report = RecoveryReport::default();
-        for record in self.store.expired_leases(self.batch).await? {
-            self.recover(&record, &mut report).await?;
+        let records = self.store.expired_leases(self.batch).await?;
+        let mut waiting = records.iter();
+        let mut running = FuturesUnordered::new();
+        let mut total = RecoveryReport::default();
+        let mut failure = None;
+        loop {
+            while running.len() < self.concurrency {
+                match waiting.next() {
+                    Some(record) if failure.is_none() => running.push(self.decide(record)),
+                    _ => break,
+                }
+            }
+            match running.next().await {
+                Some(Ok(report)) => total.add(&report),
+                Some(Err(error)) => failure = Some(error),
+                None => break,
+            }
         }
+        match failure {
+            Some(error) => Err(error),
+            None => Ok(total),
+        }
+    }
+
+    async fn decide(&self, record: &KeyRecord) -> Result<RecoveryReport, StoreError> {
+        let mut report = RecoveryReport::default();
+        self.recover(record, &mut report).await?;
         Ok(report)
+    }
+
+    /// How many keys one pass decides at once (default 8, at least 1): a resumed operation or a
+    /// resolver waits on an outside service, and one slow provider should not hold up the rest.
+    pub fn with_concurrency(mut self, keys: usize) -> Self {
+        self.concurrency = keys.max(1);
+        self
     }
 
     async fn recover(
