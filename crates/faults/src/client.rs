@@ -12,6 +12,9 @@ use std::{
 pub enum Settled {
     /// 201 (or a replay of it).
     Created,
+    /// The definitive 502 `payment-failed` (or a replay of it): settled as failed, the order
+    /// cancelled and the debit given back.
+    Failed,
     /// 409 needs-review: parked for an operator.
     NeedsReview,
     /// Gave up (deadline or an unexpected client error).
@@ -44,9 +47,10 @@ impl OpReport {
     }
 }
 
-/// POSTs `/purchases` until it is created, parked, or `limit` passes. Transport errors and 5xx
-/// (the shop was killed, the database is restarting) are retried after a pause; 409 after
-/// `Retry-After` (capped at 500 ms to keep the run short).
+/// POSTs `/purchases` until it is created, settled as failed (the definitive 502
+/// `payment-failed`), parked, or `limit` passes. Transport errors and other 5xx (the shop was
+/// killed, the database is restarting, the purchase is pending) are retried after a pause; 409
+/// after `Retry-After` (capped at 500 ms to keep the run short).
 pub async fn purchase_until_settled(
     http: &reqwest::Client,
     base_url: &str,
@@ -123,6 +127,18 @@ pub async fn purchase_until_settled(
                 }
                 let pause = retry_after.unwrap_or(Duration::from_millis(200));
                 tokio::time::sleep(pause.min(Duration::from_millis(500))).await;
+            }
+            StatusCode::BAD_GATEWAY
+                if json
+                    .get("type")
+                    .and_then(Value::as_str)
+                    .is_some_and(|t| t.ends_with("/payment-failed")) =>
+            {
+                if replayed {
+                    report.replays += 1;
+                }
+                report.settled = Settled::Failed;
+                return report;
             }
             s if s.is_server_error() => {
                 if !is_problem {

@@ -1,6 +1,8 @@
-//! `faults`: the fault proof of the demo shop on a real PostgreSQL. Each scenario starts real
-//! `shop` processes, injects a fault, and checks from the database that nothing was charged twice
-//! and no key was lost. Prints its counts and ends with `N passed, M failed`.
+//! `faults`: the fault proof of the demo shop on a real PostgreSQL (and, for `abandon`, on
+//! SQLite too). Each scenario starts real `shop` processes, injects a fault, lets the shop's
+//! worker settle what the clients left, and checks from the databases that nothing was charged
+//! twice, no key was lost or left pending, and every charge belongs to a paid order or was
+//! refunded. Prints its counts and ends with `N passed, M failed`.
 //!
 //! ```text
 //! cargo build --release -p shop -p idempotency-cli -p faults
@@ -10,11 +12,15 @@
 
 mod checks;
 mod client;
+mod db;
 mod scenarios;
 mod shop_process;
 
 use clap::{Parser, ValueEnum};
-use std::{path::PathBuf, time::Instant};
+use std::{
+    path::PathBuf,
+    time::{Duration, Instant},
+};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Scenario {
@@ -24,10 +30,12 @@ enum Scenario {
     SlowWorker,
     Hostile,
     CrossTenant,
+    Abandon,
 }
 
 /// Fault proof: kill -9, lost COMMIT acknowledgements, database restarts, slow workers, hostile
-/// input and cross-tenant keys, against real `shop` processes on PostgreSQL (TEST_POSTGRES_URL).
+/// input, cross-tenant keys and abandoned purchases, against real `shop` processes on PostgreSQL
+/// (TEST_POSTGRES_URL) and SQLite.
 #[derive(Debug, Parser)]
 struct Args {
     /// The `shop` binary.
@@ -48,6 +56,20 @@ struct Args {
     /// The shop's lease, in milliseconds.
     #[arg(long, default_value_t = 1500)]
     lease_ms: u64,
+    /// Pause between the shop's maintenance worker passes, in milliseconds.
+    #[arg(long, default_value_t = 200)]
+    worker_interval_ms: u64,
+    /// SIGKILLs per run of the abandon scenario.
+    #[arg(long, default_value_t = 10)]
+    abandon_kills: usize,
+    /// How long the shop's worker may take to settle every key once the traffic stopped, in
+    /// seconds.
+    #[arg(long, default_value_t = 90)]
+    settle_limit_secs: u64,
+    /// An extra argument for the shops of the abandon scenario (repeatable), e.g.
+    /// `--abandon-shop-arg=--no-worker` to see the scenario fail without the worker.
+    #[arg(long, allow_hyphen_values = true, hide = true)]
+    abandon_shop_arg: Vec<String>,
     /// Command controlling PostgreSQL, split on spaces; `stop` / `start` are appended
     /// (default: `pg_ctlcluster --skip-systemctl-redirect $PG_VERSION main`).
     #[arg(long, env = "FAULTS_POSTGRES_CTL")]
@@ -67,6 +89,9 @@ async fn main() {
         idem_bin: args.idem_bin.clone(),
         postgres_ctl: ctl.split_whitespace().map(str::to_owned).collect(),
         lease_ms: args.lease_ms,
+        worker_interval_ms: args.worker_interval_ms,
+        settle_limit: Duration::from_secs(args.settle_limit_secs),
+        abandon_shop_args: args.abandon_shop_arg.clone(),
     };
     let all = [
         Scenario::Kill9,
@@ -75,6 +100,7 @@ async fn main() {
         Scenario::SlowWorker,
         Scenario::Hostile,
         Scenario::CrossTenant,
+        Scenario::Abandon,
     ];
     let chosen: Vec<Scenario> = if args.only.is_empty() {
         all.to_vec()
@@ -91,6 +117,7 @@ async fn main() {
             Scenario::SlowWorker => scenarios::slow_worker(&env, args.trials.min(5)).await,
             Scenario::Hostile => scenarios::hostile(&env).await,
             Scenario::CrossTenant => scenarios::cross_tenant(&env, args.trials).await,
+            Scenario::Abandon => scenarios::abandon(&env, args.abandon_kills).await,
         };
         let took = started.elapsed().as_secs_f64();
         match result {

@@ -1,15 +1,18 @@
-//! The fault scenarios. Each runs on a fresh PostgreSQL database, prints its counts, and fails on
-//! any duplicated charge, lost key or unclear answer.
+//! The fault scenarios. Each runs on a fresh PostgreSQL database (`abandon` also on SQLite),
+//! prints its counts, and fails on any duplicated charge, lost key, unsettled key or unclear
+//! answer.
 
 use crate::{
-    checks::{check, Verdict},
+    checks::{check, wait_settled, Verdict},
     client::{purchase_until_settled, OpReport, Settled},
+    db::Db,
     shop_process::ShopProcess,
 };
 use anyhow::{bail, ensure, Context, Result};
 use rand::Rng;
 use serde_json::{json, Value};
 use std::{
+    collections::{BTreeMap, HashSet},
     path::PathBuf,
     sync::{
         atomic::{AtomicBool, Ordering},
@@ -33,6 +36,29 @@ pub struct Env {
     pub postgres_ctl: Vec<String>,
     /// Lease given to the shop, in milliseconds.
     pub lease_ms: u64,
+    /// Pause between the shop's maintenance worker passes, in milliseconds.
+    pub worker_interval_ms: u64,
+    /// How long the shop's worker may take to settle every key once the traffic stopped.
+    pub settle_limit: Duration,
+    /// Extra arguments for the shops of the `abandon` scenario (e.g. `--no-worker`, to see it
+    /// fail).
+    pub abandon_shop_args: Vec<String>,
+}
+
+impl Env {
+    /// `--lease-ms L --worker-interval-ms W`.
+    fn shop_args(&self) -> Vec<String> {
+        vec![
+            "--lease-ms".into(),
+            self.lease_ms.to_string(),
+            "--worker-interval-ms".into(),
+            self.worker_interval_ms.to_string(),
+        ]
+    }
+}
+
+fn as_strs(args: &[String]) -> Vec<&str> {
+    args.iter().map(String::as_str).collect()
 }
 
 async fn fresh_database() -> Result<String> {
@@ -102,9 +128,10 @@ async fn collect(handles: Vec<tokio::task::JoinHandle<Vec<OpReport>>>) -> Result
     Ok(ops)
 }
 
-/// Runs `idem recover --once` and returns its output.
+/// Runs `idem recover --once` and returns its output. The CLI has no durable operations
+/// registered: it leaves durable purchase keys to the shop's worker, so after the worker settled
+/// everything it must find nothing to do.
 async fn recover(env: &Env, database_url: &str) -> Result<String> {
-    tokio::time::sleep(Duration::from_millis(env.lease_ms + 300)).await;
     let out = tokio::process::Command::new(&env.idem_bin)
         .args(["recover", "--once", "--database-url", database_url])
         .output()
@@ -114,9 +141,30 @@ async fn recover(env: &Env, database_url: &str) -> Result<String> {
         "idem recover failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    Ok(String::from_utf8_lossy(&out.stdout)
+    let printed = String::from_utf8_lossy(&out.stdout)
         .trim()
-        .replace('\n', " | "))
+        .replace('\n', " | ");
+    ensure!(
+        printed.contains("released 0, completed 0, failed 0, parked 0"),
+        "idem recover found work after the shop's worker settled everything: {printed}"
+    );
+    Ok(printed)
+}
+
+/// Waits (bounded) until the shop's worker has settled every key, then checks the database and
+/// the clients' operations.
+async fn settle_and_check(env: &Env, database_url: &str, ops: &[OpReport]) -> Result<Verdict> {
+    let db = Db::connect(database_url).await?;
+    let (took, _) = wait_settled(&db, START_BALANCE_CENTS, env.settle_limit).await?;
+    if took > Duration::from_secs(1) {
+        println!(
+            "faults: the shop's worker settled the last keys in {:.1}s",
+            took.as_secs_f64()
+        );
+    }
+    let verdict = check(&db, ops, START_BALANCE_CENTS).await;
+    db.close().await;
+    verdict
 }
 
 fn totals(ops: &[OpReport]) -> (usize, usize, usize, usize) {
@@ -135,21 +183,27 @@ fn totals(ops: &[OpReport]) -> (usize, usize, usize, usize) {
 
 fn print_verdict(name: &str, v: &Verdict) {
     println!(
-        "faults: {name}: verdict: operations {}, executed once {}, needs_review {}, failed-retryable {}, pending {}, duplicated {}",
-        v.operations, v.executed_once, v.needs_review, v.failed_retryable, v.pending, v.duplicated
+        "faults: {name}: verdict: operations {}, executed once {}, settled failed {}, refused {}, needs_review {}, failed-retryable {}, pending {}, charges {}, refunded {}, duplicated {}",
+        v.operations,
+        v.executed_once,
+        v.settled_failed,
+        v.refused,
+        v.needs_review,
+        v.failed_retryable,
+        v.pending,
+        v.charges,
+        v.refunded,
+        v.duplicated
     );
 }
 
-/// SIGKILL the shop at random moments while clients keep retrying; then recover and check.
+/// SIGKILL the shop at random moments while clients keep retrying; then restart it, let its
+/// worker settle what the clients left, and check.
 pub async fn kill9(env: &Env, kills: usize) -> Result<()> {
     let db = fresh_database().await?;
-    let lease = env.lease_ms.to_string();
-    let shop = ShopProcess::start(
-        &env.shop_bin,
-        &db,
-        &["--lease-ms", &lease, "--payment-latency-ms", "15"],
-    )
-    .await?;
+    let mut args = env.shop_args();
+    args.extend(["--payment-latency-ms".into(), "15".into()]);
+    let shop = ShopProcess::start(&env.shop_bin, &db, &as_strs(&args)).await?;
     let url = shop.url();
     let shop = Arc::new(Mutex::new(shop));
     let stop = Arc::new(AtomicBool::new(false));
@@ -173,13 +227,19 @@ pub async fn kill9(env: &Env, kills: usize) -> Result<()> {
         "the shop panicked; log {}",
         shop.log().display()
     );
+    // Once more, then leave it alone: its worker resumes whatever is still pending.
+    shop.restart().await?;
+    let verdict = settle_and_check(env, &db, &ops).await?;
+    ensure!(
+        !shop.panicked(),
+        "the shop panicked; log {}",
+        shop.log().display()
+    );
     shop.kill9().await?;
     let recovered = recover(env, &db).await?;
-    let pool = sqlx::PgPool::connect(&db).await?;
-    let verdict = check(&pool, &ops, START_BALANCE_CENTS).await?;
     let (requests, replays, transport, _) = totals(&ops);
     println!(
-        "faults: kill9: {kills} kills ({starts} starts) in {:.1}s, {} operations, {requests} requests, {replays} replays, {transport} transport errors; recover: {recovered}",
+        "faults: kill9: {kills} kills ({starts} starts) in {:.1}s, {} operations, {requests} requests, {replays} replays, {transport} transport errors; then idem recover: {recovered}",
         started.elapsed().as_secs_f64(),
         ops.len()
     );
@@ -198,8 +258,7 @@ pub async fn lost_ack(env: &Env, trials: usize) -> Result<()> {
         .context("resolve the database host")?;
     let proxy = test_support::proxy::FaultProxy::start(upstream).await;
     let proxied = proxied_url(&db, proxy.addr().port());
-    let lease = env.lease_ms.to_string();
-    let shop = ShopProcess::start(&env.shop_bin, &proxied, &["--lease-ms", &lease]).await?;
+    let shop = ShopProcess::start(&env.shop_bin, &proxied, &as_strs(&env.shop_args())).await?;
     let http = reqwest::Client::new();
     let mut ops = Vec::new();
     let mut replayed_after_cut = 0;
@@ -239,16 +298,22 @@ pub async fn lost_ack(env: &Env, trials: usize) -> Result<()> {
         ops.push(op);
     }
     ensure!(!shop.panicked(), "the shop panicked");
-    let pool = sqlx::PgPool::connect(&db).await?;
-    let verdict = check(&pool, &ops, START_BALANCE_CENTS).await?;
+    let verdict = settle_and_check(env, &db, &ops).await?;
     let (requests, replays, _, _) = totals(&ops);
+    // The purchase is durable: the COMMIT whose reply is lost (its order step, or its last
+    // step) did commit, and whoever holds the key next (the retry, or the shop's worker) goes on
+    // from that recovery point, so the retry's 201 is either the stored answer (a replay) or the
+    // end of a purchase it carried on itself: never a second order or charge.
     println!(
-        "faults: lost-ack: {trials} COMMIT replies cut, {requests} requests, {replays} replays, {replayed_after_cut} retries answered from the store",
+        "faults: lost-ack: {trials} COMMIT replies cut, {requests} requests, {replays} replays; retries answered from the store {replayed_after_cut}, retries that carried the purchase on from its recovery point {}",
+        trials - replayed_after_cut
     );
     print_verdict("lost-ack", &verdict);
     ensure!(
-        replayed_after_cut == trials,
-        "every retry after a lost acknowledgement must be a replay ({replayed_after_cut}/{trials})"
+        verdict.executed_once == trials && verdict.paid == trials,
+        "every trial must be one order and one charge ({} executed once, {} orders paid, {trials} trials)",
+        verdict.executed_once,
+        verdict.paid
     );
     Ok(())
 }
@@ -271,8 +336,7 @@ fn proxied_url(db: &str, port: u16) -> String {
 /// itself, and the invariants hold.
 pub async fn db_restart(env: &Env) -> Result<()> {
     let db = fresh_database().await?;
-    let lease = env.lease_ms.to_string();
-    let mut shop = ShopProcess::start(&env.shop_bin, &db, &["--lease-ms", &lease]).await?;
+    let mut shop = ShopProcess::start(&env.shop_bin, &db, &as_strs(&env.shop_args())).await?;
     let stop = Arc::new(AtomicBool::new(false));
     let workers = purchase_workers(shop.url(), 6, stop.clone());
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -287,13 +351,12 @@ pub async fn db_restart(env: &Env) -> Result<()> {
     shop.wait_healthy(Duration::from_secs(10)).await?;
     ensure!(shop.starts == 1, "the shop had to be restarted");
     ensure!(!shop.panicked(), "the shop panicked");
+    let verdict = settle_and_check(env, &db, &ops).await?;
     let recovered = recover(env, &db).await?;
-    let pool = sqlx::PgPool::connect(&db).await?;
-    let verdict = check(&pool, &ops, START_BALANCE_CENTS).await?;
     let (requests, replays, transport, unavailable) = totals(&ops);
     let bare: usize = ops.iter().map(|o| o.bare_5xx).sum();
     println!(
-        "faults: db-restart: database down for {:.1}s, {} operations, {requests} requests, {unavailable} answered 503, {transport} transport errors, {bare} 5xx without problem JSON, {replays} replays; recover: {recovered}",
+        "faults: db-restart: database down for {:.1}s, {} operations, {requests} requests, {unavailable} answered 503, {transport} transport errors, {bare} 5xx without problem JSON, {replays} replays; then idem recover: {recovered}",
         restart_took.as_secs_f64(),
         ops.len()
     );
@@ -323,7 +386,15 @@ pub async fn slow_worker(env: &Env, trials: usize) -> Result<()> {
     let shop = ShopProcess::start(
         &env.shop_bin,
         &db,
-        &["--lease-ms", "800", "--payment-latency-ms", "1500"],
+        &[
+            "--lease-ms",
+            "800",
+            "--payment-latency-ms",
+            "1500",
+            // The retry takes the key over here, not the maintenance worker (whose pass could
+            // claim the key first once its lease ended).
+            "--no-worker",
+        ],
     )
     .await?;
     let http = reqwest::Client::new();
@@ -340,12 +411,14 @@ pub async fn slow_worker(env: &Env, trials: usize) -> Result<()> {
             send_once(&http, &base, &user, &key, &body).await
         };
         let ((first_status, first_json), (retry_status, _)) = tokio::join!(first, retry);
-        if first_status == 409
-            && first_json["type"]
-                .as_str()
-                .is_some_and(|t| t.ends_with("lease-lost"))
+        // The stale worker's next write is refused: 409 (the layer's lease-lost, or the shop's
+        // in-progress: "another worker carries this purchase on").
+        let kind = first_json["type"].as_str().unwrap_or_default();
+        if first_status == 409 && (kind.ends_with("/lease-lost") || kind.ends_with("/in-progress"))
         {
             fenced += 1;
+        } else {
+            println!("faults: slow-worker: trial {trial}: the stale worker answered {first_status} {first_json}");
         }
         ensure!(
             retry_status == 201,
@@ -367,9 +440,8 @@ pub async fn slow_worker(env: &Env, trials: usize) -> Result<()> {
         );
         ops.push(op);
     }
-    let pool = sqlx::PgPool::connect(&db).await?;
-    let verdict = check(&pool, &ops, START_BALANCE_CENTS).await?;
-    println!("faults: slow-worker: {trials} stalls past the lease, {fenced} stale commits refused (409 lease-lost), {trials} takeovers executed");
+    let verdict = settle_and_check(env, &db, &ops).await?;
+    println!("faults: slow-worker: {trials} stalls past the lease, {fenced} stale workers refused with 409 (lease-lost or in-progress), {trials} takeovers executed");
     print_verdict("slow-worker", &verdict);
     ensure!(
         fenced == trials,
@@ -405,7 +477,7 @@ async fn send_once(
 pub async fn hostile(env: &Env) -> Result<()> {
     let db = fresh_database().await?;
     let shop = ShopProcess::start(&env.shop_bin, &db, &[]).await?;
-    let pool = sqlx::PgPool::connect(&db).await?;
+    let pool = Db::connect(&db).await?;
     let http = reqwest::Client::new();
     let url = format!("{}/purchases", shop.url());
     let good = br#"{"sku":"tea","quantity":1}"#.to_vec();
@@ -466,7 +538,7 @@ pub async fn hostile(env: &Env) -> Result<()> {
     {
         // The server answers 413 before the client has sent 10 MB and closes the connection, so
         // send it over a raw socket and read the answer while the body is still being written.
-        let before = stored(&pool).await?;
+        let before = pool.stored().await?;
         let (status, content_type, detail) =
             raw_post(&shop.url(), "mallory", "k-huge", huge).await?;
         ensure!(
@@ -478,13 +550,13 @@ pub async fn hostile(env: &Env) -> Result<()> {
             "10 MB body: {content_type}"
         );
         ensure!(
-            stored(&pool).await? == before,
+            pool.stored().await? == before,
             "10 MB body: something was stored"
         );
         answered.push(format!("10 MB body → {status}"));
     }
     for (name, headers, body) in cases {
-        let before = stored(&pool).await?;
+        let before = pool.stored().await?;
         let mut request = http
             .post(&url)
             .header("content-type", "application/json")
@@ -515,7 +587,7 @@ pub async fn hostile(env: &Env) -> Result<()> {
             "{name}: problem without type/title: {detail}"
         );
         ensure!(
-            stored(&pool).await? == before,
+            pool.stored().await? == before,
             "{name}: something was stored"
         );
         answered.push(format!("{name} → {status}"));
@@ -546,11 +618,15 @@ pub async fn hostile(env: &Env) -> Result<()> {
         first.settled == Settled::Created && again.replays == 1,
         "SQL-metacharacter key: {first:?} / {again:?}"
     );
-    let kept: String =
-        sqlx::query_scalar("SELECT idem_key FROM idempotency_keys WHERE scope = 'mallory'")
-            .fetch_one(&pool)
-            .await?;
-    ensure!(kept == nasty, "the key was not stored verbatim: {kept:?}");
+    let kept: Vec<String> = pool
+        .snapshot()
+        .await?
+        .keys
+        .into_iter()
+        .filter(|k| k.scope == "mallory")
+        .map(|k| k.key)
+        .collect();
+    ensure!(kept == [nasty], "the key was not stored verbatim: {kept:?}");
     shop_alive(&shop).await?;
     println!(
         "faults: hostile: {} hostile requests answered 4xx problem JSON with nothing stored: {}",
@@ -623,17 +699,6 @@ async fn raw_post(
     Ok((status, content_type, body.to_owned()))
 }
 
-async fn stored(pool: &sqlx::PgPool) -> Result<(i64, i64)> {
-    Ok((
-        sqlx::query_scalar("SELECT count(*) FROM idempotency_keys")
-            .fetch_one(pool)
-            .await?,
-        sqlx::query_scalar("SELECT count(*) FROM shop_orders")
-            .fetch_one(pool)
-            .await?,
-    ))
-}
-
 async fn shop_alive(shop: &ShopProcess) -> Result<()> {
     let health = reqwest::get(format!("{}/healthz", shop.url())).await?;
     ensure!(
@@ -698,9 +763,293 @@ pub async fn cross_tenant(env: &Env, trials: usize) -> Result<()> {
         ops.push(merge(alice, alice_again));
         ops.push(merge(bob, bob_again));
     }
-    let pool = sqlx::PgPool::connect(&db).await?;
-    let verdict = check(&pool, &ops, START_BALANCE_CENTS).await?;
+    let verdict = settle_and_check(env, &db, &ops).await?;
     println!("faults: cross-tenant: {trials} keys sent by two users at once: {} separate executions, 0 responses crossed", 2 * trials);
     print_verdict("cross-tenant", &verdict);
     Ok(())
+}
+
+/// Where an `abandon` run keeps the shop's tables.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// A fresh PostgreSQL database.
+    Postgres,
+    /// A SQLite file in a temporary folder (the embedded default).
+    Sqlite,
+}
+
+/// The faults of an `abandon` run besides the kills.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Variant {
+    /// Payment latency only.
+    Latency,
+    /// Payment latency and a provider failing half of its charges (half of the failures after
+    /// charging, the answer lost).
+    ProviderFaults,
+}
+
+/// What one `abandon` run saw.
+#[derive(Debug, Default)]
+struct AbandonRun {
+    kills: usize,
+    latency_ms: u64,
+    sent: usize,
+    refused_connections: usize,
+    answers: BTreeMap<u16, usize>,
+    settle: Duration,
+    by_worker: usize,
+    verdict: Verdict,
+}
+
+/// Purchases sent once each (a fresh key, never retried) while the shop is SIGKILLed at random
+/// moments and restarted; then the shop is restarted once more and left alone: within
+/// `settle_limit` its own worker must leave no key pending and no charge without a paid or
+/// refunded order. Four runs: PostgreSQL and SQLite, each with payment latency and with provider
+/// faults (fail rate 0.5).
+pub async fn abandon(env: &Env, kills: usize) -> Result<()> {
+    let mut failed = Vec::new();
+    for backend in [Backend::Postgres, Backend::Sqlite] {
+        for variant in [Variant::Latency, Variant::ProviderFaults] {
+            let name = format!("{backend:?}/{variant:?}").to_lowercase();
+            let started = Instant::now();
+            match abandon_run(env, backend, variant, kills).await {
+                Ok(run) => {
+                    let v = &run.verdict;
+                    println!(
+                        "faults: abandon {name}: ok ({:.1}s): {} kills, payment latency {} ms; {} purchases sent once ({} more refused a connection while the shop was down), answers {}; settled {:.1}s after the last restart; keys {}: 201 {}, failed-settled {}, 402 {}, needs_review {}, settled by the worker {}; {} sent without a key left (released); charges {}, paid {}, refunded {}",
+                        started.elapsed().as_secs_f64(),
+                        run.kills,
+                        run.latency_ms,
+                        run.sent,
+                        run.refused_connections,
+                        answers(&run.answers),
+                        run.settle.as_secs_f64(),
+                        v.keys,
+                        v.executed_once,
+                        v.settled_failed,
+                        v.refused,
+                        v.needs_review,
+                        run.by_worker,
+                        v.failed_retryable,
+                        v.charges,
+                        v.paid,
+                        v.refunded,
+                    );
+                }
+                Err(e) => {
+                    println!(
+                        "faults: abandon {name}: FAILED ({:.1}s): {e:#}",
+                        started.elapsed().as_secs_f64()
+                    );
+                    failed.push(name);
+                }
+            }
+        }
+    }
+    ensure!(failed.is_empty(), "failed runs: {}", failed.join(", "));
+    Ok(())
+}
+
+fn answers(by_status: &BTreeMap<u16, usize>) -> String {
+    by_status
+        .iter()
+        .map(|(status, n)| match status {
+            0 => format!("transport error {n}"),
+            s => format!("{s} {n}"),
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// One purchase, sent once: the client accepts whatever comes back (or nothing).
+enum Sent {
+    /// The connection was refused (the shop is down): the purchase never reached it.
+    Refused,
+    /// Sent; what came back (status 0: no answer).
+    Sent(OpReport),
+}
+
+async fn purchase_once(http: &reqwest::Client, url: &str, user: &str, body: &Value) -> Sent {
+    let key = uuid::Uuid::new_v4().to_string();
+    let mut report = OpReport {
+        user: user.to_owned(),
+        key,
+        settled: Settled::GaveUp("sent once".into()),
+        purchase_ids: Default::default(),
+        statuses: Default::default(),
+        replays: 0,
+        bare_5xx: 0,
+    };
+    let sent = http
+        .post(format!("{url}/purchases"))
+        .header("X-User-Id", user)
+        .header("Idempotency-Key", &report.key)
+        .json(body)
+        .timeout(Duration::from_secs(5))
+        .send()
+        .await;
+    let response = match sent {
+        Ok(response) => response,
+        Err(e) if e.is_connect() => return Sent::Refused,
+        Err(_) => {
+            report.statuses.insert(0, 1);
+            return Sent::Sent(report);
+        }
+    };
+    let status = response.status().as_u16();
+    let json: Value = match response.bytes().await {
+        Ok(bytes) => serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+        Err(_) => {
+            report.statuses.insert(0, 1);
+            return Sent::Sent(report);
+        }
+    };
+    report.statuses.insert(status, 1);
+    let kind = json["type"].as_str().unwrap_or_default();
+    match status {
+        201 => {
+            report.settled = Settled::Created;
+            if let Some(id) = json.get("purchase_id") {
+                report.purchase_ids.insert(id.to_string());
+            }
+        }
+        502 if kind.ends_with("/payment-failed") => report.settled = Settled::Failed,
+        _ => {}
+    }
+    Sent::Sent(report)
+}
+
+async fn abandon_run(
+    env: &Env,
+    backend: Backend,
+    variant: Variant,
+    kills: usize,
+) -> Result<AbandonRun> {
+    let scratch = tempfile::tempdir()?;
+    let url = match backend {
+        Backend::Postgres => fresh_database().await?,
+        Backend::Sqlite => format!("sqlite://{}", scratch.path().join("shop.db").display()),
+    };
+    let latency_ms = rand::thread_rng().gen_range(50..=150);
+    let mut args = vec![
+        "--lease-ms".to_owned(),
+        "1000".into(),
+        "--worker-interval-ms".into(),
+        env.worker_interval_ms.to_string(),
+        "--payment-latency-ms".into(),
+        latency_ms.to_string(),
+    ];
+    if variant == Variant::ProviderFaults {
+        args.extend(["--payment-fail-rate".into(), "0.5".into()]);
+    }
+    args.extend(env.abandon_shop_args.iter().cloned());
+    let shop = ShopProcess::start(&env.shop_bin, &url, &as_strs(&args)).await?;
+    let db = Db::connect(&url).await?;
+    let base = shop.url();
+    let stop = Arc::new(AtomicBool::new(false));
+    let clients: Vec<_> = (0..5)
+        .map(|c| {
+            let (base, stop) = (base.clone(), stop.clone());
+            tokio::spawn(async move {
+                let http = reqwest::Client::new();
+                let (mut ops, mut refused, mut n) = (Vec::new(), 0, 0);
+                while !stop.load(Ordering::SeqCst) {
+                    let user = format!("abandon-{}", (c * 5 + n) % 12);
+                    let body = purchase_body(&mut rand::thread_rng());
+                    match purchase_once(&http, &base, &user, &body).await {
+                        Sent::Sent(op) => ops.push(op),
+                        Sent::Refused => {
+                            refused += 1;
+                            tokio::time::sleep(Duration::from_millis(50)).await;
+                        }
+                    }
+                    n += 1;
+                }
+                (ops, refused)
+            })
+        })
+        .collect();
+    let shop = Arc::new(Mutex::new(shop));
+    for _ in 0..kills {
+        let pause = rand::thread_rng().gen_range(150..600);
+        tokio::time::sleep(Duration::from_millis(pause)).await;
+        shop.lock().await.restart().await?;
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    stop.store(true, Ordering::SeqCst);
+    let (mut ops, mut refused_connections) = (Vec::new(), 0);
+    for client in clients {
+        let (sent, refused) = client.await?;
+        ops.extend(sent);
+        refused_connections += refused;
+    }
+    let mut shop = Arc::try_unwrap(shop)
+        .ok()
+        .context("shop still shared")?
+        .into_inner();
+    // Once more (mid-resume, if the worker was at it), then leave it alone.
+    shop.restart().await?;
+    let settled = wait_settled(&db, START_BALANCE_CENTS, env.settle_limit).await;
+    let outcome = async {
+        let (settle, _) = settled?;
+        let verdict = check(&db, &ops, START_BALANCE_CENTS).await?;
+        ensure!(
+            !shop.panicked(),
+            "the shop panicked; log {}",
+            shop.log().display()
+        );
+        ensure!(verdict.executed_once > 0, "nothing was bought");
+        // Settled by the worker: the client's only answer was none, or a non-final one (503
+        // pending, 409 …), yet the key ended completed.
+        let completed: HashSet<(String, String)> = db
+            .snapshot()
+            .await?
+            .keys
+            .into_iter()
+            .filter(|k| k.state == "completed")
+            .map(|k| (k.scope, k.key))
+            .collect();
+        let by_worker = ops
+            .iter()
+            .filter(|op| {
+                matches!(op.settled, Settled::GaveUp(_))
+                    && !op.statuses.contains_key(&402)
+                    && completed.contains(&(op.user.clone(), op.key.clone()))
+            })
+            .count();
+        Ok((settle, verdict, by_worker))
+    }
+    .await;
+    shop.kill9().await?;
+    db.close().await;
+    let (settle, verdict, by_worker) = match outcome {
+        Ok(done) => done,
+        Err(e) if backend == Backend::Sqlite => {
+            let kept = scratch.keep();
+            return Err(e.context(format!(
+                "databases kept in {}; shop log {}",
+                kept.display(),
+                shop.log().display()
+            )));
+        }
+        Err(e) => {
+            return Err(e.context(format!("database {url}; shop log {}", shop.log().display())))
+        }
+    };
+    let mut answers = BTreeMap::new();
+    for op in &ops {
+        for (status, n) in &op.statuses {
+            *answers.entry(*status).or_default() += n;
+        }
+    }
+    Ok(AbandonRun {
+        kills,
+        latency_ms,
+        sent: ops.len(),
+        refused_connections,
+        answers,
+        settle,
+        by_worker,
+        verdict,
+    })
 }

@@ -2,27 +2,45 @@
 //! duplicates, retries after a client-side timeout, double clicks, a changed payload under a
 //! reused key), then every ledger is checked.
 //!
+//! A share of the logical purchases (`--give-up-share`) is sent by clients that **give up**: each
+//! copy is sent once and never retried after an error, a timeout, a 409 or a 503. Their keys are
+//! carried to their end by the shop (the request goes on without its client) or by its
+//! maintenance worker; after the traffic the storm waits (bounded) until no key is pending, then
+//! learns how each given-up purchase ended from the database.
+//!
 //! Invariants checked per user:
-//! * every logical purchase and every order payment was charged **exactly once**: all answers of
-//!   one operation name the same charge, distinct operations distinct charges, and the provider
-//!   holds exactly those charges;
-//! * `balance = start balance − charges`, and the charges equal the paid orders;
+//! * every logical purchase and every order payment was charged **at most once**, and exactly
+//!   once if it succeeded: all answers of one operation name the same charge, distinct
+//!   operations distinct charges, and the provider holds exactly those charges (less refunds);
+//!   a purchase may also end settled as failed (a definitive 502 `payment-failed` for every copy,
+//!   nothing charged for good);
+//! * `balance = start balance − charges kept`, and the charges kept equal the paid orders;
 //! * one point grant per order, with the points of the first grant;
 //! * no e-mail sent twice: duplicates of one key got one message id, and the provider sent at
 //!   most one message per key (exactly one for every key answered 201).
+//!
+//! And over the whole run, read from the databases (when the storm knows them): **no key is left
+//! pending**, and **every provider charge belongs to exactly one paid order of its user, or was
+//! refunded**, under a provider key derived from one of the run's purchase keys (or naming one
+//! of the user's orders, for order payments).
 
 use crate::{
-    app::{self, Config, START_BALANCE_CENTS},
+    app::{self, Config, PURCHASE, START_BALANCE_CENTS},
     client::{Answer, Call, Client},
+    db::{self, ProviderDb, ShopDb},
+    on_conn,
     providers::Faults,
 };
 use anyhow::{bail, Context};
 use futures_util::future::join_all;
+use idempotency::{steps::provider_key, IdempotencyKey};
+use idempotency_http::StoredResponse;
 use indicatif::{ProgressBar, ProgressStyle};
+use rand::Rng;
 use reqwest::StatusCode;
 use serde_json::{json, Value};
 use std::{
-    collections::{BTreeMap, HashSet},
+    collections::{BTreeMap, HashMap, HashSet},
     sync::{
         atomic::{AtomicU64, Ordering},
         Arc, Mutex,
@@ -61,10 +79,38 @@ pub struct StormArgs {
     /// Mail provider failure rate for the services the storm starts.
     #[arg(long, default_value_t = 0.05)]
     pub mail_fail_rate: f64,
+    /// Share of the logical purchases whose client gives up: it sends each copy once and never
+    /// retries after an error or a timeout (nor after a 409 or a 503).
+    #[arg(long, default_value_t = 0.25, value_parser = share)]
+    pub give_up_share: f64,
+    /// Lease of the services the storm starts, in milliseconds: how long a request may hold its
+    /// key before a retry or the worker may take it over.
+    #[arg(long, default_value_t = 5_000)]
+    pub lease_ms: u64,
+    /// Pause between the maintenance worker's passes in the services the storm starts, in
+    /// milliseconds.
+    #[arg(long, default_value_t = 200)]
+    pub worker_interval_ms: u64,
+    /// How long to wait after the traffic for the workers to settle every key, in seconds.
+    #[arg(long, default_value_t = 60)]
+    pub settle_timeout_secs: u64,
     /// Hide the progress bar.
     #[arg(long)]
     pub quiet: bool,
 }
+
+fn share(s: &str) -> Result<f64, String> {
+    let v: f64 = s.parse().map_err(|e| format!("{e}"))?;
+    if (0.0..=1.0).contains(&v) {
+        Ok(v)
+    } else {
+        Err(format!("{v} is not a share between 0 and 1"))
+    }
+}
+
+/// How long a well-behaved client keeps retrying one request before the storm calls it a
+/// violation.
+const RETRY_LIMIT: Duration = Duration::from_secs(60);
 
 /// Counters of what the services answered.
 #[derive(Debug, Default)]
@@ -75,6 +121,7 @@ struct Counts {
     conflict: AtomicU64,
     unprocessable: AtomicU64,
     refused: AtomicU64,
+    payment_failed: AtomicU64,
     server_errors: AtomicU64,
     timeouts: AtomicU64,
     other: AtomicU64,
@@ -90,11 +137,47 @@ impl Counts {
             Ok(a) if a.status == StatusCode::CONFLICT => &self.conflict,
             Ok(a) if a.status == StatusCode::UNPROCESSABLE_ENTITY => &self.unprocessable,
             Ok(a) if a.status == StatusCode::PAYMENT_REQUIRED => &self.refused,
+            Ok(a) if a.is_problem("payment-failed") => &self.payment_failed,
             Ok(a) if a.status.is_server_error() => &self.server_errors,
             Ok(_) => &self.other,
         };
         counter.fetch_add(1, Ordering::Relaxed);
     }
+}
+
+/// Whether `a` is the definitive answer of a purchase settled as failed.
+fn payment_failed(a: &Answer) -> bool {
+    a.status == StatusCode::BAD_GATEWAY && a.is_problem("payment-failed")
+}
+
+/// A logical purchase whose client gave up: what it saw, to compare with how its key ended.
+#[derive(Debug)]
+struct GivenUp {
+    what: String,
+    key: String,
+    /// A purchase more expensive than any balance (expected to end in a stored 402).
+    refused: bool,
+    /// Every answer that came back (timeouts and transport errors are absent).
+    answers: Vec<Answer>,
+}
+
+/// How the given-up purchases ended, once settled.
+#[derive(Debug, Default)]
+struct GiveUps {
+    operations: u64,
+    /// Some copy received a definitive answer (201, 402 or the 502 payment-failed).
+    answered: u64,
+    /// No copy received a definitive answer, yet the key ended completed with a 201.
+    completed_later: u64,
+    /// Keys settled as failed (the 502 payment-failed stored).
+    settled_failed: u64,
+    /// Keys completed with a 402.
+    refused: u64,
+    /// Keys absent: never reserved (the client gave up before), or released before anything was
+    /// recorded (nothing charged).
+    released: u64,
+    /// Keys parked for review.
+    parked: u64,
 }
 
 /// What the client learned about one user, to compare with the ledger.
@@ -107,6 +190,12 @@ struct Expected {
     grants: i64,
     emails_ok: i64,
     emails_parked: i64,
+    /// Purchases settled as failed (every copy answered the definitive 502).
+    purchases_failed: i64,
+    /// Every purchase key the user sent.
+    purchase_keys: Vec<String>,
+    /// The purchases whose client gave up.
+    given_up: Vec<GivenUp>,
 }
 
 /// The whole run's state.
@@ -116,6 +205,7 @@ struct Storm {
     violations: Mutex<Vec<String>>,
     duplicates: usize,
     target: AtomicU64,
+    give_up_share: f64,
 }
 
 impl Storm {
@@ -133,21 +223,35 @@ impl Storm {
         answer
     }
 
-    /// Sends until a definitive answer: retries on timeouts, 409 in progress and 5xx, with the
-    /// same key, as a well-behaved client does. `None` after too many attempts.
+    /// Sends until a definitive answer: retries on timeouts, 409 in progress, 503 pending and
+    /// other 5xx, with the same key, as a well-behaved client does. The definitive 502 of a
+    /// purchase settled as failed, and the 5xx of an e-mail of unknown outcome, are answers.
+    /// `None` after [`RETRY_LIMIT`].
     async fn until_definitive(&self, call: &Call<'_>) -> Option<Answer> {
         let mut call = call.clone();
-        for attempt in 0..200 {
+        let deadline = Instant::now() + RETRY_LIMIT;
+        let mut attempt = 0;
+        while Instant::now() < deadline {
             match self.send(&call).await {
                 Ok(a) if a.status == StatusCode::CONFLICT && a.is_problem("in-progress") => {
-                    tokio::time::sleep(Duration::from_millis(5 + attempt)).await
+                    tokio::time::sleep(Duration::from_millis((5 + attempt).min(250))).await
                 }
-                Ok(a) if a.status.is_server_error() && !a.is_problem("mail-outcome-unknown") => {
+                Ok(a) if a.is_problem("purchase-pending") => {
+                    // Carried on in the background: come back when the answer says.
+                    let after = Duration::from_secs(a.retry_after.unwrap_or(1));
+                    tokio::time::sleep(after.min(Duration::from_secs(1))).await
+                }
+                Ok(a)
+                    if a.status.is_server_error()
+                        && !a.is_problem("mail-outcome-unknown")
+                        && !payment_failed(&a) =>
+                {
                     tokio::time::sleep(Duration::from_millis(2)).await
                 }
                 Ok(a) => return Some(a),
                 Err(_) => {}
             }
+            attempt += 1;
             call.timeout = None;
         }
         None
@@ -160,11 +264,68 @@ impl Storm {
         let answers: Vec<Answer> = answers.into_iter().flatten().collect();
         if answers.len() != n {
             self.violation(format!(
-                "{} {}: no definitive answer after 200 attempts",
-                call.method, call.path
+                "{} {}: no definitive answer within {} s",
+                call.method,
+                call.path,
+                RETRY_LIMIT.as_secs()
             ));
         }
         answers
+    }
+
+    /// Whether the client of the next logical purchase gives up after its first try.
+    fn gives_up(&self) -> bool {
+        self.give_up_share > 0.0 && rand::thread_rng().gen_bool(self.give_up_share)
+    }
+
+    /// Sends `copies` copies of `call` at once, each once: the answers that came back.
+    async fn racing_once(&self, call: &Call<'_>, copies: usize) -> Vec<Answer> {
+        join_all((0..copies).map(|_| self.send(call)))
+            .await
+            .into_iter()
+            .flatten()
+            .collect()
+    }
+
+    /// Checks what the copies of a given-up purchase received, and keeps it for the audit.
+    fn given_up(
+        &self,
+        what: String,
+        key: String,
+        refused: bool,
+        answers: Vec<Answer>,
+        expected: &mut Expected,
+    ) {
+        let created: Vec<&Answer> = answers
+            .iter()
+            .filter(|a| a.status == StatusCode::CREATED)
+            .collect();
+        let ids: HashSet<(&Value, &Value)> = created
+            .iter()
+            .map(|a| (&a.body["purchase_id"], &a.body["charge_id"]))
+            .collect();
+        if ids.len() > 1 {
+            self.violation(format!(
+                "{what} (gave up): copies answered different purchases {ids:?}"
+            ));
+        }
+        let executed = created.iter().filter(|a| !a.replayed).count();
+        if executed > 1 {
+            self.violation(format!(
+                "{what} (gave up): {executed} copies executed (not replayed)"
+            ));
+        }
+        if !created.is_empty() && answers.iter().any(payment_failed) {
+            self.violation(format!(
+                "{what} (gave up): copies answered both 201 and the definitive 502"
+            ));
+        }
+        expected.given_up.push(GivenUp {
+            what,
+            key,
+            refused,
+            answers,
+        });
     }
 
     async fn run_user(&self, user: &str, operations: u64, bar: &ProgressBar) -> Expected {
@@ -175,7 +336,7 @@ impl Storm {
                 1 => self.timeout_retry_purchase(user, op, &mut expected).await,
                 2 => self.order_pay_grant(user, op, &mut expected).await,
                 3 => self.email(user, op, &mut expected).await,
-                4 => self.refused_purchase(user, op).await,
+                4 => self.refused_purchase(user, op, &mut expected).await,
                 _ => self.double_click_purchase(user, op, &mut expected).await,
             }
             bar.inc(1);
@@ -183,8 +344,19 @@ impl Storm {
         expected
     }
 
-    /// All answers to one logical purchase must be one purchase with one charge.
+    /// All answers to one logical purchase must be one purchase with one charge, or all the
+    /// definitive 502 of a purchase settled as failed (nothing charged for good).
     fn one_purchase(&self, what: &str, answers: &[Answer], expected: &mut Expected) {
+        if !answers.is_empty() && answers.iter().all(payment_failed) {
+            let decided = answers.iter().filter(|a| !a.replayed).count();
+            if decided > 1 {
+                self.violation(format!(
+                    "{what}: the failure was decided {decided} times, not stored once"
+                ));
+            }
+            expected.purchases_failed += 1;
+            return;
+        }
         let created: Vec<&Answer> = answers
             .iter()
             .filter(|a| a.status == StatusCode::CREATED)
@@ -218,8 +390,15 @@ impl Storm {
 
     async fn concurrent_purchase(&self, user: &str, op: u64, expected: &mut Expected) {
         let key = uuid::Uuid::new_v4().to_string();
+        expected.purchase_keys.push(key.clone());
         let body = json!({"sku": "tea", "quantity": 1 + op % 3});
         let call = Call::post("/purchases", user, &body).key(&key);
+        if self.gives_up() {
+            let answers = self.racing_once(&call, self.duplicates).await;
+            let what = format!("{user} purchase {op} (concurrent)");
+            self.given_up(what, key, false, answers, expected);
+            return;
+        }
         let answers = self.racing(&call, self.duplicates).await;
         self.one_purchase(
             &format!("{user} purchase {op} (concurrent)"),
@@ -232,11 +411,19 @@ impl Storm {
     /// same key with another payload is refused with 422.
     async fn timeout_retry_purchase(&self, user: &str, op: u64, expected: &mut Expected) {
         let key = uuid::Uuid::new_v4().to_string();
+        expected.purchase_keys.push(key.clone());
         let body = json!({"sku": "coffee", "quantity": 2});
         let first = Call::post("/purchases", user, &body)
             .key(&key)
             .timeout(Duration::from_millis(2));
-        let _ = self.send(&first).await;
+        let first_answer = self.send(&first).await;
+        if self.gives_up() {
+            // The client gave up with its timeout; the shop goes on without it.
+            let what = format!("{user} purchase {op} (timeout, gave up)");
+            let answers = first_answer.into_iter().collect();
+            self.given_up(what, key, false, answers, expected);
+            return;
+        }
         let retry = Call::post("/purchases", user, &body).key(&key);
         let answers = self.racing(&retry, 2).await;
         self.one_purchase(
@@ -259,8 +446,19 @@ impl Storm {
     /// Two clicks 3 ms apart.
     async fn double_click_purchase(&self, user: &str, op: u64, expected: &mut Expected) {
         let key = uuid::Uuid::new_v4().to_string();
+        expected.purchase_keys.push(key.clone());
         let body = json!({"sku": "mug", "quantity": 1});
         let call = Call::post("/purchases", user, &body).key(&key);
+        if self.gives_up() {
+            let (a, b) = tokio::join!(self.send(&call), async {
+                tokio::time::sleep(Duration::from_millis(3)).await;
+                self.send(&call).await
+            });
+            let answers = [a, b].into_iter().flatten().collect();
+            let what = format!("{user} purchase {op} (double click)");
+            self.given_up(what, key, false, answers, expected);
+            return;
+        }
         let (a, b) = tokio::join!(self.until_definitive(&call), async {
             tokio::time::sleep(Duration::from_millis(3)).await;
             self.until_definitive(&call).await
@@ -274,10 +472,25 @@ impl Storm {
     }
 
     /// More than any balance: a definitive 402, stored and replayed to every copy.
-    async fn refused_purchase(&self, user: &str, op: u64) {
+    async fn refused_purchase(&self, user: &str, op: u64, expected: &mut Expected) {
         let key = uuid::Uuid::new_v4().to_string();
+        expected.purchase_keys.push(key.clone());
         let body = json!({"sku": "mug", "quantity": 100});
         let call = Call::post("/purchases", user, &body).key(&key);
+        if self.gives_up() {
+            let answers = self.racing_once(&call, self.duplicates).await;
+            if let Some(a) = answers.iter().find(|a| {
+                a.status != StatusCode::PAYMENT_REQUIRED && a.status != StatusCode::CONFLICT
+            }) {
+                self.violation(format!(
+                    "{user} refused purchase {op} (gave up): answered {}",
+                    a.status
+                ));
+            }
+            let what = format!("{user} refused purchase {op}");
+            self.given_up(what, key, true, answers, expected);
+            return;
+        }
         let answers = self.racing(&call, self.duplicates).await;
         if answers
             .iter()
@@ -384,8 +597,119 @@ impl Storm {
         }
     }
 
-    /// Compares one user's ledger with what the client saw.
-    async fn check_ledger(&self, user: &str, expected: &Expected) {
+    /// Learns from the settled key table how each given-up purchase of `user` ended, adds the
+    /// charges of those that completed to what the user expects, and checks that the key agrees
+    /// with what the client had seen.
+    fn learn(&self, user: &str, expected: &mut Expected, tables: &Tables, tally: &mut GiveUps) {
+        let charged: HashSet<&str> = tables
+            .charges
+            .iter()
+            .map(|c| c.provider_key.as_str())
+            .collect();
+        for g in std::mem::take(&mut expected.given_up) {
+            tally.operations += 1;
+            let what = &g.what;
+            let definitive = g.answers.iter().any(|a| {
+                a.status == StatusCode::CREATED
+                    || a.status == StatusCode::PAYMENT_REQUIRED
+                    || payment_failed(a)
+            });
+            if definitive {
+                tally.answered += 1;
+            }
+            let created = g.answers.iter().find(|a| a.status == StatusCode::CREATED);
+            let row = tables.keys.get(&(user.to_owned(), g.key.clone()));
+            let status = row.and_then(|(_, stored)| stored.as_ref().map(|s| s.status));
+            match row.map(|(state, _)| state.as_str()) {
+                Some("completed") if status == Some(201) && !g.refused => {
+                    let stored = row.and_then(|(_, s)| s.as_ref()).expect("a stored response");
+                    let body: Value = serde_json::from_slice(&stored.body).unwrap_or(Value::Null);
+                    if created.is_some_and(|a| a.body["charge_id"] != body["charge_id"]) {
+                        self.violation(format!(
+                            "{what} (gave up): answered charge {}, the key stored {}",
+                            created.map_or(&Value::Null, |a| &a.body["charge_id"]),
+                            body["charge_id"]
+                        ));
+                    }
+                    if created.is_none() {
+                        tally.completed_later += 1;
+                    }
+                    expected
+                        .charges
+                        .push(body["charge_id"].as_str().unwrap_or_default().to_owned());
+                    expected.charged_cents += body["amount_cents"].as_i64().unwrap_or_default();
+                }
+                Some("completed") if status == Some(502) && created.is_none() => {
+                    tally.settled_failed += 1;
+                    expected.purchases_failed += 1;
+                }
+                Some("completed") if status == Some(402) && g.refused && created.is_none() => {
+                    tally.refused += 1;
+                }
+                Some("needs_review") if created.is_none() => tally.parked += 1,
+                None if created.is_none() => {
+                    tally.released += 1;
+                    if purchase_charge_key(user, &g.key).is_some_and(|pk| charged.contains(pk.as_str())) {
+                        self.violation(format!("{what} (gave up): its key was released, yet it was charged"));
+                    }
+                }
+                state => self.violation(format!(
+                    "{what} (gave up): the client saw {:?}, the key is {state:?} with a stored {status:?}",
+                    g.answers.iter().map(|a| a.status.as_u16()).collect::<Vec<_>>()
+                )),
+            }
+        }
+    }
+
+    /// Over the whole run: every provider charge belongs to exactly one paid order of its user
+    /// (same amount), or was refunded; and was made under a provider key derived from one of the
+    /// user's purchase keys, or naming one of the user's orders (an order payment).
+    fn check_charges(&self, tables: &Tables, expectations: &BTreeMap<String, Expected>) {
+        let mut known: HashMap<String, &str> = HashMap::new();
+        for (user, expected) in expectations {
+            for key in &expected.purchase_keys {
+                if let Some(pk) = purchase_charge_key(user, key) {
+                    known.insert(pk, user.as_str());
+                }
+            }
+        }
+        let mut paid: HashMap<&str, Vec<&OrderRow>> = HashMap::new();
+        for order in &tables.orders {
+            known.insert(format!("shop:order-pay:{}", order.0), order.1.as_str());
+            if let (Some(charge), "paid") = (order.4.as_deref(), order.3.as_str()) {
+                paid.entry(charge).or_default().push(order);
+            }
+        }
+        for ChargeRow {
+            provider_key,
+            charge_id,
+            account,
+            amount,
+        } in &tables.charges
+        {
+            let owners = paid.get(charge_id.as_str()).map_or(0, |orders| {
+                orders
+                    .iter()
+                    .filter(|o| &o.1 == account && o.2 == *amount)
+                    .count()
+            });
+            let refunded = tables.refunds.contains_key(charge_id);
+            if !((owners == 1 && !refunded) || (owners == 0 && refunded)) {
+                self.violation(format!(
+                    "{account}: charge {charge_id} ({amount} cents) belongs to {owners} paid orders of its user, refunded: {refunded}"
+                ));
+            }
+            if known.get(provider_key).is_none_or(|user| user != account) {
+                self.violation(format!(
+                    "{account}: charge {charge_id} was made under provider key {provider_key}, derived from none of the user's purchases or orders"
+                ));
+            }
+        }
+    }
+
+    /// Compares one user's ledger with what the client saw (and, for given-up purchases, what
+    /// the key table says); refunded charges are not kept.
+    async fn check_ledger(&self, user: &str, expected: &Expected, tables: Option<&Tables>) {
         let call = Call::get(format!("/users/{user}/ledger"), user);
         let ledger = match self.client.send(0, &call).await {
             Ok(a) if a.status == StatusCode::OK => a.body,
@@ -399,13 +723,20 @@ impl Storm {
             .as_array()
             .map(|c| c.iter().filter_map(|c| c["charge_id"].as_str()).collect())
             .unwrap_or_default();
+        let refunds = tables.map(|t| &t.refunds);
+        let refunded = |charge: &str| refunds.and_then(|r| r.get(charge)).copied();
+        let refunded_cents: i64 = charged.iter().filter_map(|c| refunded(c)).sum();
+        let charged: Vec<&str> = charged
+            .into_iter()
+            .filter(|c| refunded(c).is_none())
+            .collect();
         let mut ledger_charges: Vec<&str> = charged.clone();
         ledger_charges.sort_unstable();
         let mut expected_charges: Vec<&str> = expected.charges.iter().map(String::as_str).collect();
         expected_charges.sort_unstable();
         if ledger_charges != expected_charges {
             self.violation(format!(
-                "{user}: the provider holds {} charges, the client saw {} logical payments succeed",
+                "{user}: the provider keeps {} charges, the client saw {} logical payments succeed",
                 ledger_charges.len(),
                 expected_charges.len()
             ));
@@ -424,8 +755,8 @@ impl Storm {
         }
         let checks = [
             (
-                "charged_total_cents",
-                int("charged_total_cents"),
+                "charged_total_cents (less refunds)",
+                int("charged_total_cents") - refunded_cents,
                 expected.charged_cents,
             ),
             (
@@ -461,6 +792,125 @@ impl Storm {
     }
 }
 
+/// The provider key of the charge of purchase `key` of `user`, as the shop derives it.
+fn purchase_charge_key(user: &str, key: &str) -> Option<String> {
+    IdempotencyKey::new(user, PURCHASE.operation, key)
+        .ok()
+        .map(|k| provider_key(&k, "charge"))
+}
+
+/// `(id, user_id, amount_cents, status, charge_id)` of `shop_orders`.
+type OrderRow = (i64, String, i64, String, Option<String>);
+
+/// A row of `payment_provider_charges`.
+#[derive(Debug, sqlx::FromRow)]
+struct ChargeRow {
+    provider_key: String,
+    charge_id: String,
+    account: String,
+    #[sqlx(rename = "amount_cents")]
+    amount: i64,
+}
+
+/// The run's rows, read from the databases once every key settled.
+#[derive(Debug, Default)]
+struct Tables {
+    /// Purchase keys: `(user, key)` → `(state, stored response)`.
+    keys: HashMap<(String, String), (String, Option<StoredResponse>)>,
+    orders: Vec<OrderRow>,
+    charges: Vec<ChargeRow>,
+    /// Refunded charge id → amount.
+    refunds: HashMap<String, i64>,
+}
+
+/// Read access to the databases of the run (the storm's users only).
+struct Audit {
+    shop: ShopDb,
+    providers: ProviderDb,
+    /// `LIKE` pattern of the run's users.
+    users: String,
+}
+
+impl Audit {
+    /// Keys of the run's users still pending (every operation).
+    async fn pending(&self) -> anyhow::Result<i64> {
+        let mut conn = self.shop.read().await?;
+        Ok(on_conn!(conn.conn(), |c| sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM idempotency_keys WHERE state = 'pending' AND scope LIKE $1"
+        )
+        .bind(&self.users)
+        .fetch_one(&mut *c)
+        .await?))
+    }
+
+    /// Polls until no key of the run is pending, at most `limit`: returns how many were pending
+    /// at first, how many are left, and how long it took.
+    async fn settle(&self, limit: Duration) -> anyhow::Result<(i64, i64, Duration)> {
+        let started = Instant::now();
+        let first = self.pending().await?;
+        let mut left = first;
+        while left > 0 && started.elapsed() < limit {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            left = self.pending().await?;
+        }
+        Ok((first, left, started.elapsed()))
+    }
+
+    async fn load(&self) -> anyhow::Result<Tables> {
+        let mut conn = self.shop.read().await?;
+        let (keys, orders) = on_conn!(conn.conn(), |c| {
+            let keys: Vec<(String, String, String, Option<Vec<u8>>)> = sqlx::query_as(
+                "SELECT scope, idem_key, state, result FROM idempotency_keys
+                 WHERE operation = $1 AND scope LIKE $2",
+            )
+            .bind(PURCHASE.operation)
+            .bind(&self.users)
+            .fetch_all(&mut *c)
+            .await?;
+            let orders: Vec<OrderRow> = sqlx::query_as(
+                "SELECT id, user_id, amount_cents, status, charge_id FROM shop_orders
+                 WHERE user_id LIKE $1",
+            )
+            .bind(&self.users)
+            .fetch_all(&mut *c)
+            .await?;
+            (keys, orders)
+        });
+        drop(conn);
+        let mut conn = self.providers.conn().await?;
+        let (charges, refunds) = on_conn!(conn.conn(), |c| {
+            let charges: Vec<ChargeRow> = sqlx::query_as(
+                "SELECT provider_key, charge_id, account, amount_cents FROM payment_provider_charges
+                 WHERE account LIKE $1",
+            )
+            .bind(&self.users)
+            .fetch_all(&mut *c)
+            .await?;
+            let refunds: Vec<(String, i64)> = sqlx::query_as(
+                "SELECT r.charge_id, r.amount_cents FROM payment_provider_refunds r
+                 JOIN payment_provider_charges c ON c.charge_id = r.charge_id
+                 WHERE c.account LIKE $1",
+            )
+            .bind(&self.users)
+            .fetch_all(&mut *c)
+            .await?;
+            (charges, refunds)
+        });
+        Ok(Tables {
+            keys: keys
+                .into_iter()
+                .map(|(user, key, state, result)| {
+                    let stored = result.and_then(|bytes| serde_json::from_slice(&bytes).ok());
+                    ((user, key), (state, stored))
+                })
+                .collect(),
+            orders,
+            charges,
+            refunds: refunds.into_iter().collect(),
+        })
+    }
+}
+
 /// Child `shop` processes, killed on drop.
 struct Children(Vec<tokio::process::Child>);
 
@@ -478,6 +928,10 @@ async fn spawn_child(
         .arg(args.payment_latency_ms.to_string())
         .arg("--mail-fail-rate")
         .arg(args.mail_fail_rate.to_string())
+        .arg("--lease-ms")
+        .arg(args.lease_ms.to_string())
+        .arg("--worker-interval-ms")
+        .arg(args.worker_interval_ms.to_string())
         .stdout(std::process::Stdio::piped())
         .kill_on_drop(true)
         .spawn()
@@ -514,7 +968,13 @@ pub async fn run(args: StormArgs) -> anyhow::Result<()> {
         .unwrap_or_else(|| format!("sqlite://{}", scratch.path().join("storm.db").display()));
     let mut _children = Children(Vec::new());
     let mut _in_process = None;
+    // The databases, to wait for the workers and audit the run (unknown when the storm targets
+    // services it did not start, unless --database-url names theirs).
+    let mut databases = None;
     let urls = if !args.urls.is_empty() {
+        if args.database_url.is_some() {
+            databases = Some(db::connect(&database_url, 2).await?);
+        }
         args.urls.clone()
     } else if args.processes > 0 {
         let mut urls = Vec::new();
@@ -523,6 +983,7 @@ pub async fn run(args: StormArgs) -> anyhow::Result<()> {
             _children.0.push(child);
             urls.push(url);
         }
+        databases = Some(db::connect(&database_url, 2).await?);
         urls
     } else {
         let mut config = Config::new(&database_url);
@@ -534,10 +995,21 @@ pub async fn run(args: StormArgs) -> anyhow::Result<()> {
             fail_rate: args.mail_fail_rate,
             latency: Duration::ZERO,
         };
+        config.lease = Duration::from_millis(args.lease_ms);
+        config.worker_interval = Some(Duration::from_millis(args.worker_interval_ms.max(10)));
         let running = app::start(&config, "127.0.0.1:0").await?;
         let url = running.url();
+        databases = Some((running.app.db().clone(), running.app.providers().clone()));
         _in_process = Some(running);
         vec![url]
+    };
+    let give_up_share = if databases.is_some() {
+        args.give_up_share
+    } else {
+        if args.give_up_share > 0.0 {
+            println!("storm: no database to audit given-up purchases with (pass --database-url): every client retries");
+        }
+        0.0
     };
     let where_ = if args.urls.is_empty() {
         database_url
@@ -549,13 +1021,14 @@ pub async fn run(args: StormArgs) -> anyhow::Result<()> {
         "external services".to_owned()
     };
     println!(
-        "storm: {} users × {} operations × {} duplicates against {} ({} process{}, {where_})",
+        "storm: {} users × {} operations × {} duplicates against {} ({} process{}, {where_}); {:.0}% of the purchases' clients give up after one try",
         args.users,
         args.operations,
         args.duplicates,
         urls.join(", "),
         urls.len(),
-        if urls.len() == 1 { "" } else { "es" }
+        if urls.len() == 1 { "" } else { "es" },
+        give_up_share * 100.0
     );
 
     let storm = Arc::new(Storm {
@@ -564,6 +1037,7 @@ pub async fn run(args: StormArgs) -> anyhow::Result<()> {
         violations: Mutex::new(Vec::new()),
         duplicates: args.duplicates as usize,
         target: AtomicU64::new(0),
+        give_up_share,
     });
     let bar = if args.quiet {
         ProgressBar::hidden()
@@ -598,8 +1072,38 @@ pub async fn run(args: StormArgs) -> anyhow::Result<()> {
     let elapsed = started.elapsed();
     bar.finish_and_clear();
     let latency = storm.client.take_latency();
+
+    // Wait for the workers to settle what the clients left, then learn how the given-up
+    // purchases ended and audit every charge.
+    let audit = databases.map(|(shop, providers)| Audit {
+        shop,
+        providers,
+        users: format!("storm-{}-%", &run_id[..8]),
+    });
+    let mut tally = GiveUps::default();
+    let mut settled = None;
+    let tables = match &audit {
+        Some(audit) => {
+            let limit = Duration::from_secs(args.settle_timeout_secs);
+            let (first, left, took) = audit.settle(limit).await?;
+            if left > 0 {
+                storm.violation(format!(
+                    "{left} keys still pending {:.0} s after the traffic",
+                    took.as_secs_f64()
+                ));
+            }
+            settled = Some((first, left, took));
+            let tables = audit.load().await?;
+            for (user, expected) in expectations.iter_mut() {
+                storm.learn(user, expected, &tables, &mut tally);
+            }
+            storm.check_charges(&tables, &expectations);
+            Some(tables)
+        }
+        None => None,
+    };
     for (user, expected) in &expectations {
-        storm.check_ledger(user, expected).await;
+        storm.check_ledger(user, expected, tables.as_ref()).await;
     }
 
     let c = &storm.counts;
@@ -614,12 +1118,13 @@ pub async fn run(args: StormArgs) -> anyhow::Result<()> {
         get(&c.requests) as f64 / elapsed.as_secs_f64()
     );
     println!(
-        "answers: executed {}  replayed {}  409 {}  422 {}  402 {}  5xx {}  client timeouts {}  other {}",
+        "answers: executed {}  replayed {}  409 {}  422 {}  402 {}  502 payment-failed {}  other 5xx {}  client timeouts {}  other {}",
         get(&c.executed),
         get(&c.replayed),
         get(&c.conflict),
         get(&c.unprocessable),
         get(&c.refused),
+        get(&c.payment_failed),
         get(&c.server_errors),
         get(&c.timeouts),
         get(&c.other)
@@ -630,13 +1135,38 @@ pub async fn run(args: StormArgs) -> anyhow::Result<()> {
         latency.value_at_quantile(0.99) as f64 / 1000.0,
         latency.max() as f64 / 1000.0
     );
+    if let Some((first, left, took)) = settled {
+        println!(
+            "given up: {} purchases sent once ({} got a definitive answer); once settled: {} completed later, {} settled failed, {} refused, {} left no key (never reserved, or released with nothing done), {} parked",
+            tally.operations,
+            tally.answered,
+            tally.completed_later,
+            tally.settled_failed,
+            tally.refused,
+            tally.released,
+            tally.parked
+        );
+        println!(
+            "settled: {first} keys pending when the traffic stopped, {left} left after {:.1} s",
+            took.as_secs_f64()
+        );
+    }
+    let failed: i64 = expectations.values().map(|e| e.purchases_failed).sum();
+    let refunds = tables.as_ref().map_or(0, |t| t.refunds.len());
     println!(
-        "checked {} ledgers: {total_charges} payments, {parked} e-mails parked for review",
+        "checked {} ledgers: {total_charges} payments, {failed} purchases settled as failed, {refunds} refunds, {parked} e-mails parked for review",
         expectations.len()
     );
     let violations = storm.violations.lock().expect("violations");
     if violations.is_empty() {
-        println!("invariants: OK (every payment charged exactly once, balances consistent, one grant per order, no e-mail sent twice)");
+        println!(
+            "invariants: OK (every payment charged exactly once, balances consistent, one grant per order, no e-mail sent twice{})",
+            if tables.is_some() {
+                "; no key left pending, every charge belongs to exactly one paid order of its user or was refunded"
+            } else {
+                ""
+            }
+        );
         Ok(())
     } else {
         for v in violations.iter().take(50) {

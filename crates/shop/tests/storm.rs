@@ -28,6 +28,9 @@ fn storm(args: &[&str]) -> String {
     );
     assert!(stdout.contains("invariants: OK"), "{stdout}");
     assert!(stdout.contains("checked 6 ledgers"), "{stdout}");
+    // The storm knows the database: it waited for the worker and audited every charge.
+    assert!(stdout.contains("no key left pending"), "{stdout}");
+    assert!(stdout.contains("given up: "), "{stdout}");
     stdout
 }
 
@@ -35,6 +38,22 @@ fn storm(args: &[&str]) -> String {
 fn storm_on_sqlite() {
     let file = test_support::fresh_sqlite();
     storm(&["--database-url", &file.url]);
+}
+
+/// Every purchase's client gives up after one try: the keys still end settled, and every charge
+/// belongs to a paid order.
+#[test]
+fn storm_where_every_purchase_client_gives_up() {
+    let file = test_support::fresh_sqlite();
+    let out = storm(&[
+        "--database-url",
+        &file.url,
+        "--give-up-share",
+        "1",
+        "--payment-fail-rate",
+        "0.5",
+    ]);
+    assert!(out.contains("settled: "), "{out}");
 }
 
 #[tokio::test]
