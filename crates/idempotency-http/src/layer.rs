@@ -76,6 +76,7 @@ pub(crate) struct Settings<S> {
     pub(crate) missing_scope: MissingScope,
     pub(crate) operation: OperationSource,
     pub(crate) effects: Effects,
+    pub(crate) journaled: bool,
     pub(crate) fingerprint_headers: Vec<HeaderName>,
     pub(crate) stored_headers: Vec<HeaderName>,
     pub(crate) body_limit: usize,
@@ -95,6 +96,7 @@ impl<S: Clone> Clone for Settings<S> {
             missing_scope: self.missing_scope.clone(),
             operation: self.operation.clone(),
             effects: self.effects,
+            journaled: self.journaled,
             fingerprint_headers: self.fingerprint_headers.clone(),
             stored_headers: self.stored_headers.clone(),
             body_limit: self.body_limit,
@@ -161,6 +163,7 @@ impl<S> fmt::Debug for IdempotencyLayer<S> {
             .field("key_requirement", &s.key_requirement)
             .field("missing_scope", &s.missing_scope)
             .field("effects", &s.effects)
+            .field("journaled", &s.journaled)
             .field("fingerprint_headers", &s.fingerprint_headers)
             .field("stored_headers", &s.stored_headers)
             .field("body_limit", &s.body_limit)
@@ -195,6 +198,7 @@ impl<S: Store> IdempotencyLayer<S> {
                 missing_scope: MissingScope::Reject,
                 operation: OperationSource::MethodAndRoute,
                 effects: Effects::Local,
+                journaled: false,
                 fingerprint_headers: Vec::new(),
                 stored_headers: Vec::new(),
                 body_limit: DEFAULT_BODY_LIMIT,
@@ -299,6 +303,21 @@ impl<S: Store> IdempotencyLayer<S> {
     /// ```
     pub fn effects(mut self, effects: Effects) -> Self {
         self.settings.effects = effects;
+        self
+    }
+
+    /// Declares that the handler runs a durable operation through [`KeyLease`](crate::KeyLease)
+    /// and [`Idempotency::perform_reserved`](idempotency::Idempotency::perform_reserved), so it
+    /// makes no outside call before a recovery point is committed (default `false`). The
+    /// reservation is then not flushed on its own ([`Attempt::journaled`](idempotency::Attempt::journaled)).
+    ///
+    /// ```no_run
+    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::store::postgres::PgStore>) {
+    /// let layer = layer.effects(idempotency::Effects::External).journaled(true);
+    /// # }
+    /// ```
+    pub fn journaled(mut self, journaled: bool) -> Self {
+        self.settings.journaled = journaled;
         self
     }
 

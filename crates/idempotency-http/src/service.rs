@@ -237,7 +237,9 @@ where
         Ok(fingerprint) => fingerprint,
         Err(rejection) => return Ok(refuse(op, rejection)),
     };
-    let attempt = Attempt::new(key, fingerprint).effects(settings.effects);
+    let attempt = Attempt::new(key, fingerprint)
+        .effects(settings.effects)
+        .journaled(settings.journaled);
 
     if !settings.detach {
         // 1. Reserve the key, committed on its own (a replay is read first).

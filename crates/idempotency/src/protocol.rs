@@ -34,6 +34,10 @@ pub struct Attempt {
     pub fingerprint: Fingerprint,
     /// What the work touches (default [`Effects::Local`]).
     pub effects: Effects,
+    /// Whether the work is a durable operation ([`Steps`]) that commits a recovery point before
+    /// any outside call (default `false`). Its reservation then need not be flushed to disk on
+    /// its own: the first step's commit flushes it too (see [`Attempt::journaled`]).
+    pub journaled: bool,
 }
 
 impl Attempt {
@@ -43,12 +47,36 @@ impl Attempt {
             key,
             fingerprint,
             effects: Effects::Local,
+            journaled: false,
         }
     }
 
     /// Sets what the work touches.
     pub fn effects(mut self, effects: Effects) -> Self {
         self.effects = effects;
+        self
+    }
+
+    /// Declares the work a durable operation run through [`Steps`] ([`Idempotency::perform`]
+    /// and [`Idempotency::perform_reserved`] do): every outside call comes after a committed,
+    /// flushed recovery point (a local step, or the mark [`Steps::call`] writes first). A crash
+    /// before that commit loses at most a reservation whose work had no effect, so the
+    /// reservation is not flushed on its own (PostgreSQL: `synchronous_commit = off` for its
+    /// statement; log records are flushed in order, so the first step's commit makes it durable).
+    ///
+    /// Only declare this for work that makes no outside call before its first step.
+    ///
+    /// ```
+    /// use idempotency::{Attempt, Effects, Fingerprint, IdempotencyKey};
+    /// let key = IdempotencyKey::new("user-1", "purchase", "k-1")?;
+    /// let attempt = Attempt::new(key, Fingerprint::of_bytes(b"{}"))
+    ///     .effects(Effects::External)
+    ///     .journaled(true);
+    /// assert!(attempt.journaled);
+    /// # Ok::<(), idempotency::InvalidKey>(())
+    /// ```
+    pub fn journaled(mut self, journaled: bool) -> Self {
+        self.journaled = journaled;
         self
     }
 }
@@ -447,6 +475,7 @@ impl<S: Store> Idempotency<S> {
                 fingerprint: attempt.fingerprint,
                 token: LeaseToken::new(),
                 effects: attempt.effects,
+                journaled: attempt.journaled,
                 lease: self.lease,
                 retention: self.retention,
             };
@@ -466,11 +495,28 @@ impl<S: Store> Idempotency<S> {
                     .claim_for_recovery(&attempt.key, existing.lease_token, row.token, self.lease)
                     .await?
                 {
-                    tracing::debug!(key = %attempt.key, recovery_point = ?existing.recovery_point, "durable operation resumed by a retry");
                     let mut lease = self.lease_for(&row);
                     lease.effects = Effects::External;
-                    lease.resumed = Some(Box::new(existing));
-                    return Ok(Reservation::Acquired(lease));
+                    // The journal as of the claim: the row read before it may miss a step the
+                    // old holder committed in between (steps do not change the token).
+                    let claimed = self.claimed_row(&attempt.key, row.token).await;
+                    match claimed {
+                        Ok(Some(claimed)) => {
+                            tracing::debug!(key = %attempt.key, recovery_point = ?claimed.recovery_point, "durable operation resumed by a retry");
+                            lease.resumed = Some(Box::new(claimed));
+                            return Ok(Reservation::Acquired(lease));
+                        }
+                        // Taken from us meanwhile: our lease is nobody's to release.
+                        Ok(None) => {
+                            lease.disarm();
+                            return Err(Error::LeaseLost);
+                        }
+                        Err(error) => {
+                            // We hold a durable key we cannot read: leave it pending.
+                            lease.disarm();
+                            return Err(error.into());
+                        }
+                    }
                 }
                 continue;
             }
@@ -504,6 +550,21 @@ impl<S: Store> Idempotency<S> {
             };
         }
         Err(StoreError::Contention(RESERVE_ATTEMPTS).into())
+    }
+
+    /// The row of `key` as it is now, if `token` still holds it: what a claimer of a durable
+    /// operation resumes from. Read after the claim, it holds every step the old holder
+    /// committed, and no later one can commit (the token changed).
+    pub(crate) async fn claimed_row(
+        &self,
+        key: &IdempotencyKey,
+        token: LeaseToken,
+    ) -> Result<Option<KeyRecord>, StoreError> {
+        Ok(self
+            .store
+            .find(key)
+            .await?
+            .filter(|row| row.lease_token == token && row.state == KeyState::Pending))
     }
 
     fn lease_for(&self, row: &PendingRow<'_>) -> Lease<S> {
@@ -711,7 +772,9 @@ impl<S: Store> Idempotency<S> {
             .map_err(|e| PerformError::Reserve(e.into()))?;
         let fingerprint = Fingerprint::of_json(request)
             .map_err(|e| PerformError::Reserve(Error::Serialization(e)))?;
-        let attempt = Attempt::new(key, fingerprint).effects(Effects::External);
+        let attempt = Attempt::new(key, fingerprint)
+            .effects(Effects::External)
+            .journaled(true);
         match self
             .reserve(&attempt)
             .await

@@ -353,8 +353,13 @@ impl<S: Maintenance, R: Resolver> Recovery<S, R> {
         // From here on we hold the key with `token`; every write below is conditional on it.
         if let (Some((engine, operations)), true) = (&self.operations, registered) {
             if record.effects == Effects::External {
-                let lease = engine.claimed_lease(record, token);
-                let (decision, done) = match operations.resume(engine, lease, record).await {
+                // Resume from the row as of the claim (see `Idempotency::claimed_row`).
+                let Some(claimed) = engine.claimed_row(key, token).await? else {
+                    report.note(Decision::Unknown, false);
+                    return Ok(());
+                };
+                let lease = engine.claimed_lease(&claimed, token);
+                let (decision, done) = match operations.resume(engine, lease, &claimed).await {
                     Ok(Resumed::Settled(Settlement::Completed)) => (Decision::Completed, true),
                     Ok(Resumed::Settled(_)) => (Decision::Failed, true),
                     Ok(Resumed::Released) => (Decision::Released, true),

@@ -468,7 +468,7 @@ impl<S: Store> Steps<S> {
     }
 
     /// An **outside call** to a provider that honours idempotency keys: `call` is made with the
-    /// step's [provider key](Self::provider_key), and its output recorded as the recovery point
+    /// step's [provider key](Self::provider_key), and its output recorded in the journal under
     /// `name`. A step already in the journal is not called again.
     ///
     /// When the answer is lost ([`CallError::Unknown`]), or when this run resumed the key from an
@@ -476,6 +476,12 @@ impl<S: Store> Steps<S> {
     /// *not done* calls (again, up to [`StepPolicy::calls_per_step`] calls, then
     /// [`StepError::NotDone`]), and *unknown* leaves the key pending ([`StepError::Pending`]), or
     /// parks it after [`StepPolicy::max_unknown`] times.
+    ///
+    /// The output is committed with the next step (local, [`finish`](Self::finish) or
+    /// [`fail`](Self::fail)), not in a transaction of its own: a run that stops before then leaves
+    /// the call unrecorded, and the next run asks the provider with the same key ([`Lookup`])
+    /// instead of reading the journal. That saves a commit per call; nothing is lost, since a
+    /// keyed provider answers for its key.
     pub async fn call<T, C, CF, L, LF>(
         &mut self,
         name: &str,
@@ -503,7 +509,7 @@ impl<S: Store> Steps<S> {
         loop {
             if ask_first {
                 match lookup(key.clone()).await {
-                    Lookup::Done(output) => return self.record_call(name, output).await,
+                    Lookup::Done(output) => return self.note_call(name, output),
                     Lookup::NotDone => {}
                     Lookup::Unknown(reason) => {
                         return Err(self.unknown(&format!("{name}: {reason}")).await)
@@ -517,7 +523,7 @@ impl<S: Store> Steps<S> {
             }
             calls += 1;
             match call(key.clone()).await {
-                Ok(output) => return self.record_call(name, output).await,
+                Ok(output) => return self.note_call(name, output),
                 Err(CallError::Declined(reason)) => {
                     return Err(StepError::Declined {
                         step: name.to_owned(),
@@ -532,6 +538,15 @@ impl<S: Store> Steps<S> {
         }
     }
 
+    /// Puts a keyed call's output in the journal, to be committed with the next step.
+    fn note_call<T: Serialize>(&mut self, name: &str, output: T) -> Result<T, StepError> {
+        self.journal
+            .done
+            .insert(name.to_owned(), serde_json::to_value(&output)?);
+        Ok(output)
+    }
+
+    /// Puts an unkeyed call's output in the journal and commits it at once.
     async fn record_call<T: Serialize>(&mut self, name: &str, output: T) -> Result<T, StepError> {
         self.journal
             .done

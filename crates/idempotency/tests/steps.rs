@@ -1,10 +1,11 @@
 //! Durable operations (steps with recovery points) on PostgreSQL, SQLite and MySQL/MariaDB.
 //!
 //! The operation under test, [`Transfer`], is (a) a local step writing a business row, (b) an
-//! outside call to an in-memory keyed payment provider ([`Provider`]), and (c) `finish`, writing
-//! another business row and completing the key with a receipt. A [`Hook`] stops a worker at a
+//! outside call to an in-memory keyed payment provider ([`Provider`]) whose output is committed
+//! with the next step, (b') a local step writing a business row, and (c) `finish`, writing another
+//! business row and completing the key with a receipt. A [`Hook`] stops a worker at a
 //! chosen point: it panics there, hangs there (and the test drops the future), or blocks there
-//! until the test lets it go on. Business rows are named `{trial}/a`, `{trial}/c/{worker}` and
+//! until the test lets it go on. Business rows are named `{trial}/a`, `{trial}/b`, `{trial}/c/{worker}` and
 //! `{trial}/undo`, so every count names the worker that wrote it.
 
 mod common;
@@ -239,8 +240,10 @@ enum Point {
     /// Inside the call, after the provider acted and before its answer was recorded (answer
     /// lost); for the mailer, after the "started" mark and before sending.
     CallMade,
-    /// After (b) was recorded, before (c).
+    /// After (b) answered (its output noted, not yet committed), before (b').
     AfterCharge,
+    /// After (b') committed (and (b)'s output with it), before (c).
+    AfterNote,
     /// Inside (c): its row is written, the transaction is open, nothing is committed.
     InsideFinish,
 }
@@ -432,6 +435,18 @@ impl<S: Harness> Operation<S> for Transfer {
             Err(other) => return Err(other),
         };
         self.hook.pass(Point::AfterCharge).await;
+
+        // (b')
+        let note = format!("{}/b", request.trial);
+        steps
+            .local("note", move |tx| {
+                Box::pin(async move {
+                    S::insert_effect(tx, &note).await?;
+                    Ok::<_, sqlx::Error>(())
+                })
+            })
+            .await?;
+        self.hook.pass(Point::AfterNote).await;
 
         // (c)
         let done = format!("{}/c/{}", request.trial, self.tag);
@@ -639,6 +654,7 @@ async fn assert_charged_once<S: Harness>(
         .unwrap_or_else(|| panic!("{context}: no charge under the derived provider key"));
     assert_eq!(receipt, Receipt::charged(trial, &charge), "{context}");
     assert_eq!(count(store, trial, "a").await, 1, "{context}: (a) rows");
+    assert_eq!(count(store, trial, "b").await, 1, "{context}: (b') rows");
     assert_eq!(finish_rows(store, trial).await, 1, "{context}: (c) rows");
     assert_eq!(count(store, trial, "undo").await, 0, "{context}: undo rows");
     receipt
@@ -653,6 +669,7 @@ async fn resumes_from_every_recovery_point<S: Harness + Maintenance>(store: S) {
         Point::AfterDebit,
         Point::CallMade,
         Point::AfterCharge,
+        Point::AfterNote,
         Point::InsideFinish,
     ];
     for stop in [Stop::Panic, Stop::Hang] {
@@ -671,8 +688,8 @@ async fn resumes_from_every_recovery_point<S: Harness + Maintenance>(store: S) {
             assert_eq!(row.state, KeyState::Pending, "{context}");
             let point_recorded = match point {
                 Point::Start => None,
-                Point::AfterDebit | Point::CallMade => Some("debit"),
-                Point::AfterCharge | Point::InsideFinish => Some("charge"),
+                Point::AfterDebit | Point::CallMade | Point::AfterCharge => Some("debit"),
+                Point::AfterNote | Point::InsideFinish => Some("note"),
             };
             assert_eq!(row.recovery_point.as_deref(), point_recorded, "{context}");
             assert_eq!(row.request.is_some(), point != Point::Start, "{context}");
@@ -712,10 +729,11 @@ async fn resumes_from_every_recovery_point<S: Harness + Maintenance>(store: S) {
             let receipt = assert_charged_once(&store, &provider, &key, &trial, &context).await;
             assert_eq!(count(&store, &trial, "c/resumer").await, 1, "{context}");
             assert_eq!(provider.total_charges(), 1, "{context}");
-            // A recorded call is neither asked about nor made again; an unrecorded one is asked
-            // about first (and made only when the provider has no record of it).
+            // A recorded call is neither asked about nor made again; an unrecorded one (lost
+            // answer, or an answer noted but not yet committed) is asked about first, and made
+            // only when the provider has no record of it.
             let (calls, lookups) = match point {
-                Point::AfterDebit | Point::CallMade => (1, 1),
+                Point::AfterDebit | Point::CallMade | Point::AfterCharge => (1, 1),
                 _ => (1, 0),
             };
             assert_eq!(
@@ -1294,7 +1312,7 @@ async fn a_client_retry_resumes_an_abandoned_operation<S: Harness + Maintenance>
 async fn the_request_is_stored_while_pending_and_cleared_on_completion<S: Harness + Maintenance>(
     store: S,
 ) {
-    for point in [Point::Start, Point::AfterDebit, Point::AfterCharge] {
+    for point in [Point::Start, Point::AfterDebit, Point::AfterNote] {
         let context = format!("{}: held at {point:?}", S::NAME);
         let provider = Provider::default();
         let trial = unique("stored");
@@ -1321,13 +1339,19 @@ async fn the_request_is_stored_while_pending_and_cleared_on_completion<S: Harnes
             let point_name = if point == Point::AfterDebit {
                 "debit"
             } else {
-                "charge"
+                "note"
             };
             assert_eq!(row.recovery_point.as_deref(), Some(point_name), "{context}");
             let journal: serde_json::Value =
                 serde_json::from_slice(row.progress.as_deref().expect("a journal")).unwrap();
             assert!(
                 journal["done"].get(point_name).is_some(),
+                "{context}: {journal}"
+            );
+            // The charge's output is committed with the step after it, not before.
+            assert_eq!(
+                journal["done"].get("charge").is_some(),
+                point == Point::AfterNote,
                 "{context}: {journal}"
             );
         }
@@ -1382,7 +1406,12 @@ async fn an_oversized_request_is_refused_and_its_key_released<S: Harness + Maint
 async fn the_maintenance_worker_resumes_abandoned_operations<S: Harness + Maintenance>(store: S) {
     let provider = Provider::default();
     let mut abandoned = Vec::new();
-    for point in [Point::AfterDebit, Point::CallMade, Point::AfterCharge] {
+    for point in [
+        Point::AfterDebit,
+        Point::CallMade,
+        Point::AfterCharge,
+        Point::AfterNote,
+    ] {
         let trial = unique("worker");
         let request = TransferRequest::new(&trial, 10);
         let first = Transfer::new(&provider, "first").stopping(point, Stop::Hang);
@@ -1412,12 +1441,12 @@ async fn the_maintenance_worker_resumes_abandoned_operations<S: Harness + Mainte
         assert!(settled, "{}: {key} was not resumed", S::NAME);
     }
     let report = worker.shutdown().await;
-    assert_eq!(report.recovery.completed, 3, "{}: {report}", S::NAME);
-    assert_eq!(report.recovery.acted(), 3, "{}: {report}", S::NAME);
+    assert_eq!(report.recovery.completed, 4, "{}: {report}", S::NAME);
+    assert_eq!(report.recovery.acted(), 4, "{}: {report}", S::NAME);
     for trial in &abandoned {
         let key = key_of("transfer", trial);
         assert_charged_once(&store, &provider, &key, trial, S::NAME).await;
         assert_eq!(count(&store, trial, "c/resumer").await, 1);
     }
-    assert_eq!(provider.total_charges(), 3);
+    assert_eq!(provider.total_charges(), 4);
 }

@@ -197,16 +197,19 @@ pub const PURCHASE: KeyedRoute = KeyedRoute {
     // abandoned local work nor released after a step took effect; a retry or the worker
     // continues it from its recovery point (see `crate::purchase`).
     effects: Effects::External,
+    journaled: true,
 };
 /// `POST /orders`.
 pub const CREATE_ORDER: KeyedRoute = KeyedRoute {
     operation: "create-order",
     effects: Effects::Local,
+    journaled: false,
 };
 /// `POST /emails`.
 pub const SEND_EMAIL: KeyedRoute = KeyedRoute {
     operation: "send-email",
     effects: Effects::External,
+    journaled: false,
 };
 
 /// The router of the service.

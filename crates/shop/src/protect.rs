@@ -28,6 +28,9 @@ pub struct KeyedRoute {
     pub operation: &'static str,
     /// Whether the work calls an outside service that cannot be asked again.
     pub effects: Effects,
+    /// Whether the handler is a durable operation whose first outside call follows a committed
+    /// recovery point (its reservation is then not flushed on its own).
+    pub journaled: bool,
 }
 
 /// The shop's policy for one keyed route: POST only, the key required, scoped by the
@@ -44,6 +47,7 @@ pub fn layer<S: Store>(engine: Idempotency<S>, route: KeyedRoute) -> Idempotency
         .methods([Method::POST])
         .operation(route.operation)
         .effects(route.effects)
+        .journaled(route.journaled)
         .scope_from(|parts| parts.extensions.get::<UserId>().map(|user| user.0.clone()))
         .body_limit(BODY_LIMIT)
         .store_response_if(|status| status.is_success())

@@ -238,6 +238,7 @@ pub struct Progress<'a> {
 ///     fingerprint: Fingerprint::of_bytes(b"request"),
 ///     token: LeaseToken::new(),
 ///     effects: Effects::Local,
+///     journaled: false,
 ///     lease: Duration::from_secs(60),
 ///     retention: Duration::from_secs(86_400),
 /// };
@@ -254,6 +255,9 @@ pub struct PendingRow<'a> {
     pub token: LeaseToken,
     /// Whether the work calls outside services.
     pub effects: Effects,
+    /// Whether the work commits a flushed recovery point before any outside call
+    /// ([`Attempt::journaled`](crate::Attempt::journaled)).
+    pub journaled: bool,
     /// How long the holder may work before others may consider it dead.
     pub lease: Duration,
     /// How long the row is kept once written (reset at completion).

@@ -779,6 +779,7 @@ mod tests {
             fingerprint: Fingerprint::of_bytes(key.to_string().as_bytes()),
             token: LeaseToken::new(),
             effects: Effects::Local,
+            journaled: false,
             lease: Duration::from_secs(60),
             retention: Duration::from_secs(3600),
         }

@@ -65,14 +65,20 @@ macro_rules! reserve_sql {
 }
 const RESERVE: &str = reserve_sql!();
 
-/// `synchronous_commit` for a reservation. A reservation of [`Effects::Local`] work need not be
-/// flushed on its own: WAL is flushed in order, so the completion's synchronous commit makes it
-/// durable too, and a crash before that loses only a reservation whose work cannot have
-/// committed either (a retry then runs it, once). External work may have had its outside effect
-/// before any commit, so its reservation is flushed before the work starts.
-fn reservation_durability(effects: Effects) -> &'static str {
-    match effects {
+/// `synchronous_commit` for a reservation. A reservation need not be flushed on its own when a
+/// crash before the work's first flushed commit cannot leave an outside effect behind:
+/// * [`Effects::Local`] work: its completion commits with the work, synchronously; log records
+///   are flushed in order, so that commit makes the reservation durable too, and a crash before
+///   it loses only a reservation whose work cannot have committed either (a retry runs it, once);
+/// * a durable operation ([`PendingRow::journaled`]): every outside call comes after a committed
+///   recovery point, whose synchronous commit flushes the reservation likewise.
+///
+/// Other external work may have its outside effect before any commit, so its reservation is
+/// flushed before the work starts.
+fn reservation_durability(row: &PendingRow<'_>) -> &'static str {
+    match row.effects {
         Effects::Local => "off",
+        Effects::External if row.journaled => "off",
         Effects::External => "on",
     }
 }
@@ -209,7 +215,7 @@ impl Store for PgStore {
             .bind(row.token.0)
             .bind(row.lease_millis())
             .bind(row.retention_millis())
-            .bind(reservation_durability(row.effects))
+            .bind(reservation_durability(row))
             .fetch_one(&self.pool)
             .await;
         let answer = match answer {
