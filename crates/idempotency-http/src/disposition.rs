@@ -7,7 +7,53 @@
 //! and the layer follows it instead.
 
 use axum::response::{IntoResponseParts, ResponseParts};
+use http::StatusCode;
 use std::convert::Infallible;
+
+/// Whether a response lets the handler's writes **commit**: a success (2xx) or a redirection
+/// (3xx, redirect-after-POST). Any other response rolls them back, whether it is stored or not.
+///
+/// ```
+/// use http::StatusCode;
+/// use idempotency_http::commits_writes;
+/// assert!(commits_writes(StatusCode::CREATED));
+/// assert!(commits_writes(StatusCode::SEE_OTHER));
+/// assert!(!commits_writes(StatusCode::NOT_FOUND));
+/// assert!(!commits_writes(StatusCode::UNPROCESSABLE_ENTITY));
+/// ```
+pub fn commits_writes(status: StatusCode) -> bool {
+    status.is_success() || status.is_redirection()
+}
+
+/// The layer's default rule for which responses are **stored** and replayed: the definitive
+/// ones. A success or a redirection; and a client error except those that say *try again*
+/// (404: the target may exist later; 408, 409, 425, 429). Never a server error.
+///
+/// A stored client error is stored **without** the handler's writes ([`commits_writes`]).
+///
+/// | status | handler's writes | key |
+/// |---|---|---|
+/// | 2xx, 3xx | committed with the key | completed, response replayed |
+/// | 4xx except 404, 408, 409, 425, 429 | rolled back | completed, response replayed |
+/// | 404, 408, 409, 425, 429 | rolled back | released: a retry runs again |
+/// | 5xx, [`Effects::Local`](idempotency::Effects::Local) | rolled back | released |
+/// | 5xx or panic, [`Effects::External`](idempotency::Effects::External) | rolled back | left pending for the recovery job, never released |
+///
+/// ```
+/// use http::StatusCode;
+/// use idempotency_http::is_definitive;
+/// assert!(is_definitive(StatusCode::CREATED));
+/// assert!(is_definitive(StatusCode::UNPROCESSABLE_ENTITY));
+/// assert!(!is_definitive(StatusCode::NOT_FOUND));
+/// assert!(!is_definitive(StatusCode::TOO_MANY_REQUESTS));
+/// assert!(!is_definitive(StatusCode::INTERNAL_SERVER_ERROR));
+/// ```
+pub fn is_definitive(status: StatusCode) -> bool {
+    match status.as_u16() {
+        404 | 408 | 409 | 425 | 429 => false,
+        _ => status.is_success() || status.is_redirection() || status.is_client_error(),
+    }
+}
 
 /// What the layer does with the key (and the handler's transaction) after this response.
 ///
@@ -18,7 +64,7 @@ use std::convert::Infallible;
 /// use http::StatusCode;
 /// use idempotency_http::Disposition;
 ///
-/// // A refusal that is final: stored with the key (and the handler's rows) and replayed.
+/// // A refusal that is final: stored with the key and replayed (the handler's rows roll back).
 /// let response = (StatusCode::PAYMENT_REQUIRED, Disposition::Store, Json("balance too low")).into_response();
 /// assert_eq!(response.extensions().get::<Disposition>(), Some(&Disposition::Store));
 ///
@@ -28,8 +74,10 @@ use std::convert::Infallible;
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Disposition {
-    /// A definitive answer: complete the key with this response in the handler's transaction,
-    /// commit both, and replay it to every retry (whatever its status).
+    /// A definitive answer: complete the key with this response and replay it to every retry
+    /// (whatever its status). The handler's writes commit with it after a 2xx or 3xx
+    /// ([`commits_writes`]); after any other status they roll back, and the response is stored
+    /// in a short transaction of its own.
     Store,
     /// Nothing happened that a retry could duplicate: roll back and release the key, so a retry
     /// runs again (whatever the status).

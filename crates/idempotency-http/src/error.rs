@@ -140,11 +140,59 @@ impl IdempotencyRejection {
             ),
         };
         let problem = Problem::new(status, type_uri, title).with_detail(self.to_string());
-        match self {
-            InProgress { retry_after } => problem.with_retry_after(*retry_after),
-            StoreUnavailable(_) => problem.with_retry_after(Duration::from_secs(1)),
-            _ => problem,
+        match self.retry_after() {
+            Some(retry_after) => problem.with_retry_after(retry_after),
+            None => problem,
         }
+    }
+
+    /// When a retry may succeed, for the refusals a retry can outlast: 409 `in-progress` (the
+    /// hint given), 409 `lease-lost` (another worker carries the operation on: 1 s) and 503
+    /// (1 s). Sent as `Retry-After` (whole seconds) and
+    /// [`Retry-After-Ms`](crate::header::RETRY_AFTER_MS). The others are final for this request.
+    ///
+    /// ```
+    /// # use idempotency_http::IdempotencyRejection;
+    /// # use std::time::Duration;
+    /// let busy = IdempotencyRejection::InProgress { retry_after: Duration::from_millis(40) };
+    /// assert_eq!(busy.retry_after(), Some(Duration::from_millis(40)));
+    /// assert_eq!(IdempotencyRejection::KeyReused.retry_after(), None);
+    /// assert_eq!(IdempotencyRejection::NeedsReview.retry_after(), None);
+    /// ```
+    pub fn retry_after(&self) -> Option<Duration> {
+        use IdempotencyRejection::*;
+        match self {
+            InProgress { retry_after } => Some(*retry_after),
+            LeaseLost | StoreUnavailable(_) => Some(Duration::from_secs(1)),
+            _ => None,
+        }
+    }
+
+    /// The problem response: status, `application/problem+json`, and for a rejection with a
+    /// [`retry_after`](Self::retry_after) both `Retry-After` (whole seconds, at least 1) and
+    /// `Retry-After-Ms` (milliseconds, at least 1).
+    ///
+    /// ```
+    /// # use idempotency_http::IdempotencyRejection;
+    /// # use std::time::Duration;
+    /// let busy = IdempotencyRejection::InProgress { retry_after: Duration::from_millis(40) };
+    /// let response = busy.to_response();
+    /// assert_eq!(response.status(), 409);
+    /// assert_eq!(response.headers()["retry-after"], "1");
+    /// assert_eq!(response.headers()["retry-after-ms"], "40");
+    /// ```
+    pub fn to_response(&self) -> http::Response<axum::body::Body> {
+        let mut response = self.to_problem().into_http_response();
+        if let Some(retry_after) = self.retry_after() {
+            let millis = u64::try_from(retry_after.as_millis())
+                .unwrap_or(u64::MAX)
+                .max(1);
+            response.headers_mut().insert(
+                crate::header::RETRY_AFTER_MS,
+                http::HeaderValue::from(millis),
+            );
+        }
+        response
     }
 
     /// The `outcome` label counted in `idempotency_requests_total` for this rejection.
@@ -194,6 +242,6 @@ impl IdempotencyRejection {
 
 impl axum::response::IntoResponse for IdempotencyRejection {
     fn into_response(self) -> axum::response::Response {
-        self.to_problem().into_http_response()
+        self.to_response()
     }
 }

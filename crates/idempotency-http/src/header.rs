@@ -34,6 +34,20 @@ pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-
 pub const IDEMPOTENCY_KEY_RETENTION: HeaderName =
     HeaderName::from_static("idempotency-key-retention");
 
+/// `Retry-After-Ms: <milliseconds>`, beside `Retry-After` on the layer's 409 `in-progress`, 409
+/// `lease-lost` and 503 answers: the same hint, in milliseconds.
+///
+/// `Retry-After` is whole seconds (RFC 9110), rounded up to at least 1, which is far too coarse
+/// for a double click on an operation of a few milliseconds. `Retry-After-Ms` carries the precise
+/// hint (for a 409 `in-progress`, the layer's estimate of how long the operation takes, see
+/// [`in_flight`](crate::in_flight)); a client that knows it waits that long instead, one that
+/// does not keeps reading `Retry-After`. `idempotency-client` prefers it.
+///
+/// ```
+/// assert_eq!(idempotency_http::header::RETRY_AFTER_MS, "retry-after-ms");
+/// ```
+pub const RETRY_AFTER_MS: HeaderName = HeaderName::from_static("retry-after-ms");
+
 /// Why an `Idempotency-Key` header was rejected (answered with 400).
 ///
 /// ```

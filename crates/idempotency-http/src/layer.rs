@@ -1,6 +1,9 @@
 //! [`IdempotencyLayer`]: the configuration and builder, and the [`tower::Layer`] impl.
 
-use crate::service::IdempotencyService;
+use crate::{
+    in_flight::{Estimates, Waiters},
+    service::IdempotencyService,
+};
 use http::{request::Parts, HeaderName, Method, StatusCode};
 use idempotency::{AfterError, Effects, Idempotency, Store};
 use std::{fmt, sync::Arc, time::Duration};
@@ -81,9 +84,15 @@ pub(crate) struct Settings<S> {
     pub(crate) stored_headers: Vec<HeaderName>,
     pub(crate) body_limit: usize,
     pub(crate) store_response_if: Arc<StatusPredicate>,
-    pub(crate) after_unstored: Arc<AfterUnstored>,
+    /// `None`: the default, by effects (release local work, leave external work pending).
+    pub(crate) after_unstored: Option<Arc<AfterUnstored>>,
     pub(crate) expiry_header: bool,
     pub(crate) detach: bool,
+    pub(crate) wait_for_in_flight: Option<Duration>,
+    /// How long executions take, per operation, for the 409's retry hint; shared by clones.
+    pub(crate) estimates: Arc<Estimates>,
+    /// The requests waiting for a key in flight; shared by clones.
+    pub(crate) waiters: Arc<Waiters>,
 }
 
 impl<S: Clone> Clone for Settings<S> {
@@ -104,6 +113,9 @@ impl<S: Clone> Clone for Settings<S> {
             after_unstored: self.after_unstored.clone(),
             expiry_header: self.expiry_header,
             detach: self.detach,
+            wait_for_in_flight: self.wait_for_in_flight,
+            estimates: self.estimates.clone(),
+            waiters: self.waiters.clone(),
         }
     }
 }
@@ -115,8 +127,11 @@ impl<S: Clone> Clone for Settings<S> {
 /// `Router::route_layer`, so axum's [`MatchedPath`](axum::extract::MatchedPath) names the
 /// operation. The defaults: POST and PATCH protected, key required, scope from the
 /// [`IdempotencyScope`] extension (401 when absent), operation `"POST /orders/{id}/pay"`, no
-/// headers in the fingerprint, 1 MiB body limit, responses with status < 500 stored,
-/// [`Effects::Local`], and the lease and retention of the [`Idempotency`] engine.
+/// headers in the fingerprint, 1 MiB body limit, definitive responses stored
+/// ([`is_definitive`](crate::is_definitive): only 2xx and 3xx commit the handler's writes),
+/// [`Effects::Local`], no waiting for a duplicate's original
+/// ([`wait_for_in_flight`](Self::wait_for_in_flight)), and the lease and retention of the
+/// [`Idempotency`] engine.
 ///
 /// ```no_run
 /// use axum::{routing::post, Router};
@@ -167,6 +182,7 @@ impl<S> fmt::Debug for IdempotencyLayer<S> {
             .field("fingerprint_headers", &s.fingerprint_headers)
             .field("stored_headers", &s.stored_headers)
             .field("body_limit", &s.body_limit)
+            .field("wait_for_in_flight", &s.wait_for_in_flight)
             .finish_non_exhaustive()
     }
 }
@@ -202,10 +218,13 @@ impl<S: Store> IdempotencyLayer<S> {
                 fingerprint_headers: Vec::new(),
                 stored_headers: Vec::new(),
                 body_limit: DEFAULT_BODY_LIMIT,
-                store_response_if: Arc::new(|status: StatusCode| !status.is_server_error()),
-                after_unstored: Arc::new(|_: StatusCode| AfterError::Release),
+                store_response_if: Arc::new(crate::is_definitive),
+                after_unstored: None,
                 expiry_header: false,
                 detach: false,
+                wait_for_in_flight: None,
+                estimates: Arc::default(),
+                waiters: Arc::default(),
             },
         }
     }
@@ -360,15 +379,19 @@ impl<S: Store> IdempotencyLayer<S> {
         self
     }
 
-    /// Which responses are stored (and replayed to retries) and committed with the handler's
-    /// transaction; the others roll it back and release the key so a retry runs again.
-    /// Default: status < 500. A [`Disposition`](crate::Disposition) in a response's extensions
-    /// overrides this for that response.
+    /// Which responses are stored (and replayed to retries). Default:
+    /// [`is_definitive`](crate::is_definitive) (2xx, 3xx, and 4xx except 404, 408, 409, 425 and
+    /// 429). Whatever is stored, the handler's writes commit only after a 2xx or 3xx
+    /// ([`commits_writes`](crate::commits_writes)); a stored 4xx is stored in a short transaction
+    /// of its own. The others roll back, and the key goes as
+    /// [`on_unstored_response`](Self::on_unstored_response) says. A
+    /// [`Disposition`](crate::Disposition) in a response's extensions overrides this for that
+    /// response.
     ///
     /// ```no_run
     /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::store::sqlite::SqliteStore>) {
-    /// // Also let 429 be retried.
-    /// let layer = layer.store_response_if(|status| !status.is_server_error() && status != 429);
+    /// // Only successes: every 4xx may be retried.
+    /// let layer = layer.store_response_if(|status| status.is_success());
     /// # }
     /// ```
     pub fn store_response_if(
@@ -379,12 +402,14 @@ impl<S: Store> IdempotencyLayer<S> {
         self
     }
 
-    /// What happens to the key after a response that is not stored (default: always
-    /// [`AfterError::Release`], so a retry runs again). A handler that may have caused an outside
-    /// effect before failing (a payment provider timed out) can answer with a status for which
-    /// this returns [`AfterError::Park`]: the key is kept as *needs review* and retries get 409
-    /// (`needs-review`) until an operator resolves it (`idem keys resolve`). A panic or a dropped
-    /// connection always releases.
+    /// What happens to the key after a response that is not stored. The default depends on
+    /// [`effects`](Self::effects): [`Effects::Local`] work is released, so a retry runs again;
+    /// [`Effects::External`] work is **never released** by default (its outside effect may have
+    /// happened): the key stays pending, and the recovery job settles it after its lease (asking
+    /// the provider, or parking it). The same holds after a panic. With this setting the
+    /// decision is yours: [`AfterError::Release`] only when nothing went out,
+    /// [`AfterError::Park`] to keep the key as *needs review* at once (retries get 409
+    /// `needs-review` until an operator resolves it with `idem keys resolve`).
     ///
     /// ```no_run
     /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::store::sqlite::SqliteStore>) {
@@ -399,7 +424,7 @@ impl<S: Store> IdempotencyLayer<S> {
         mut self,
         decide: impl Fn(StatusCode) -> AfterError + Send + Sync + 'static,
     ) -> Self {
-        self.settings.after_unstored = Arc::new(decide);
+        self.settings.after_unstored = Some(Arc::new(decide));
         self
     }
 
@@ -434,6 +459,31 @@ impl<S: Store> IdempotencyLayer<S> {
     /// ```
     pub fn detach(mut self, enabled: bool) -> Self {
         self.settings.detach = enabled;
+        self
+    }
+
+    /// Lets a duplicate that arrives while the original request still runs **wait** for it, at
+    /// most `bound`, and answer with the original's stored response (`Idempotent-Replayed:
+    /// true`) instead of a 409 (default off: 409 at once).
+    ///
+    /// A double click then costs the second tab the rest of the original's time, not a 409 and
+    /// a `Retry-After: 1`. The wait is woken at once by an original running behind this layer in
+    /// this process, by PostgreSQL's `NOTIFY` for one in another process (sent after its commit
+    /// by a layer with this setting), and polls otherwise (1 ms doubling to 25 ms); it never
+    /// lasts longer than `bound`. If the key changes otherwise meanwhile (released after a 5xx, parked, its lease
+    /// ended), the request reserves it again and is decided as a new one; if the original is
+    /// still running at the bound, the answer is the 409 it would have had. Each waiting request
+    /// holds its connection and a little memory, and reads the key a few times: pick a bound
+    /// near the slow end of the route's normal latency (a second or two), not a minute. See
+    /// [`in_flight`](crate::in_flight).
+    ///
+    /// ```no_run
+    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::store::sqlite::SqliteStore>) {
+    /// let layer = layer.wait_for_in_flight(std::time::Duration::from_secs(2));
+    /// # }
+    /// ```
+    pub fn wait_for_in_flight(mut self, bound: Duration) -> Self {
+        self.settings.wait_for_in_flight = (!bound.is_zero()).then_some(bound);
         self
     }
 

@@ -21,20 +21,33 @@
 //!    types, where a body that is not JSON → 400; raw bytes otherwise). Nothing is reserved before
 //!    this point.
 //! 6. **Reserves** the key (committed on its own). Completed before → replay. Same key, other
-//!    fingerprint → 422. Still running → 409 with `Retry-After`. Parked → 409. Store unreachable
-//!    → 503, and the handler is **not** run.
+//!    fingerprint → 422. Still running → 409 with `Retry-After` and `Retry-After-Ms`, or, with
+//!    [`IdempotencyLayer::wait_for_in_flight`], a bounded wait for the original and then its
+//!    stored response ([`in_flight`]). Parked → 409. Store unreachable → 503, and the handler is
+//!    **not** run.
 //! 7. Runs the handler. If it extracts [`IdempotentTx`], the business transaction is begun then
 //!    (never for handlers that do not ask for it). The held
 //!    [`IdempotencyKey`](idempotency::IdempotencyKey) is in the request extensions
 //!    (`Option<Extension<IdempotencyKey>>`), for handlers that pass it on to a provider that
 //!    accepts idempotency keys itself.
-//! 8. A response the predicate stores (default status < 500) is captured as a
-//!    [`StoredResponse`] (status, `Content-Type`, `Location` and the configured headers, never
-//!    cookies or credentials, and the body) and the key is **completed with it inside the
-//!    handler's transaction**, then that transaction commits: the handler's rows and the stored
-//!    response exist together or not at all. A 5xx, a panic, or a dropped connection (the server
-//!    cancels the request future) rolls the transaction back and **releases** the key, so a retry
-//!    runs again.
+//! 8. Only a **success or a redirection** (2xx, 3xx) lets the handler's writes commit
+//!    ([`commits_writes`]): such a response is captured as a [`StoredResponse`] (status,
+//!    `Content-Type`, `Location` and the configured headers, never cookies or credentials, and
+//!    the body) and the key is **completed with it inside the handler's transaction**, then that
+//!    transaction commits: the handler's rows and the stored response exist together or not at
+//!    all. Any other response rolls the writes back. A definitive client error
+//!    ([`is_definitive`]: 4xx except 404, 408, 409, 425, 429) is still stored and replayed, in a
+//!    short transaction of its own. The rest (a transient 4xx, a 5xx, a panic) release the key
+//!    so a retry runs again, except for [`Effects::External`](idempotency::Effects::External)
+//!    work, whose key is never released by default: it stays pending for the recovery job.
+//!
+//!    | status | handler's writes | key |
+//!    |---|---|---|
+//!    | 2xx, 3xx | committed with the key | completed, replayed |
+//!    | 4xx except 404, 408, 409, 425, 429 | rolled back | completed, replayed |
+//!    | 404, 408, 409, 425, 429 | rolled back | released |
+//!    | 5xx, panic: local work | rolled back | released |
+//!    | 5xx, panic: external work | rolled back | pending, for the recovery job |
 //!    A handler that knows better for one response says so with a [`Disposition`] in its
 //!    extensions: `Store` a final refusal (a 402), `Release`, or `Park` the key as *needs
 //!    review* when an outside effect may have happened.
@@ -145,6 +158,7 @@
 pub mod disposition;
 pub mod error;
 pub mod header;
+pub mod in_flight;
 pub mod layer;
 pub mod lease;
 pub mod metrics;
@@ -153,7 +167,7 @@ pub mod service;
 pub mod stored;
 pub mod tx;
 
-pub use disposition::Disposition;
+pub use disposition::{commits_writes, is_definitive, Disposition};
 pub use error::IdempotencyRejection;
 pub use layer::{
     IdempotencyLayer, IdempotencyScope, KeyRequirement, MissingScope, DEFAULT_BODY_LIMIT,

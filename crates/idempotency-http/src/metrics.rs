@@ -12,6 +12,7 @@
 //! | `conflict` | 409: in progress, needs review, or lease lost |
 //! | `reused` | 422: key reused with a different request |
 //! | `released` | the handler answered 5xx (or unstored), panicked or was cancelled; the key was released |
+//! | `left_pending` | external work answered unstored, panicked or was cancelled: its outside effect may have happened, so the key was not released; the recovery job settles it |
 //! | `parked` | an unstored response for which the route decided to park the key as *needs review* |
 //! | `rejected` | 400/401/413 before anything was reserved |
 //! | `unavailable` | 503: the store could not be reached; the handler did not run |
@@ -37,6 +38,8 @@ pub const REUSED: &str = "reused";
 pub const RELEASED: &str = "released";
 /// See the module table.
 pub const PARKED: &str = "parked";
+/// See the module table.
+pub const LEFT_PENDING: &str = "left_pending";
 /// See the module table.
 pub const REJECTED: &str = "rejected";
 /// See the module table.

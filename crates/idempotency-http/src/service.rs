@@ -6,8 +6,10 @@
 //! cancellation).
 
 use crate::{
+    commits_writes,
     error::IdempotencyRejection,
     header::{key_from_headers, IDEMPOTENCY_KEY_RETENTION},
+    in_flight,
     layer::{KeyRequirement, MissingScope, OperationSource, Settings},
     lease::LeaseSlot,
     metrics::{self, count},
@@ -20,7 +22,9 @@ use bytes::Bytes;
 use futures_util::{future::BoxFuture, FutureExt};
 use http::{header, request::Parts, HeaderMap, HeaderValue, Request, Response};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
-use idempotency::{AfterError, Attempt, Fingerprint, IdempotencyKey, Lease, Reservation, Store};
+use idempotency::{
+    AfterError, Attempt, Effects, Fingerprint, IdempotencyKey, Lease, Reservation, Store,
+};
 use std::{
     future::Future,
     panic::AssertUnwindSafe,
@@ -242,8 +246,16 @@ where
         .journaled(settings.journaled);
 
     if !settings.detach {
-        // 1. Reserve the key, committed on its own (a replay is read first).
-        let reserved = settings.idempotency.reserve(&attempt).await;
+        // 1. Reserve the key, committed on its own (a replay is read first); a duplicate of a
+        //    request in flight may wait for it (`wait_for_in_flight`).
+        let reserved = in_flight::reserve(
+            &settings.idempotency,
+            &attempt,
+            settings.wait_for_in_flight,
+            &settings.waiters,
+            op,
+        )
+        .await;
         return proceed(
             settings,
             inner,
@@ -267,7 +279,14 @@ where
     let engine = engine.clone().with_replay_first(false);
     let name = operation.clone();
     let work = async move {
-        let reserved = engine.reserve(&attempt).await;
+        let reserved = in_flight::reserve(
+            &engine,
+            &attempt,
+            settings.wait_for_in_flight,
+            &settings.waiters,
+            &name,
+        )
+        .await;
         proceed(settings, inner, parts, body, attempt.key, reserved, name).await
     };
     match tokio::spawn(work.in_current_span()).await {
@@ -299,9 +318,23 @@ where
 {
     match reserved {
         Ok(Reservation::Acquired(lease)) => {
-            execute(settings, inner, parts, body, key, lease, operation).await
+            // With waiting on, duplicates may wait for this key: tell them when it is settled.
+            let announce = settings.wait_for_in_flight.is_some().then(|| key.clone());
+            let answer = execute(settings.clone(), inner, parts, body, key, lease, operation).await;
+            if let Some(key) = announce {
+                in_flight::announce(settings.idempotency.store(), &settings.waiters, key);
+            }
+            answer
         }
         Ok(Reservation::Completed(bytes)) => Ok(replay(&settings, &operation, &bytes)),
+        Err(idempotency::Error::InProgress { retry_after }) => {
+            // The finer hint: how long this operation usually takes, within the engine's.
+            let retry_after = settings.estimates.hint(&operation, retry_after);
+            Ok(refuse(
+                &operation,
+                IdempotencyRejection::InProgress { retry_after },
+            ))
+        }
         Err(error) => Ok(refuse(&operation, IdempotencyRejection::from_engine(error))),
     }
 }
@@ -338,9 +371,11 @@ where
     ResBody::Error: Into<BoxError>,
 {
     let op = operation.as_str();
+    let started = std::time::Instant::now();
     let mut lease = HeldLease {
         slot: LeaseSlot::new(lease),
         operation: op,
+        effects: settings.effects,
     };
 
     // 2. Run the handler, with the (lazily begun) business transaction and the lease in the
@@ -356,12 +391,12 @@ where
         Ok(Ok(response)) => response,
         Ok(Err(error)) => {
             rollback(slot.take_back()).await;
-            lease.release("the inner service failed").await;
+            lease.give_up("the inner service failed").await;
             return Err(error);
         }
         Err(panic) => {
             rollback(slot.take_back()).await;
-            lease.release("the handler panicked").await;
+            lease.give_up("the handler panicked").await;
             std::panic::resume_unwind(panic);
         }
     };
@@ -369,6 +404,7 @@ where
         // The handler settled the key itself (a durable operation): nothing to store or release.
         rollback(slot.take_back()).await;
         count(op, outcome_of_settled(response.status()));
+        settings.estimates.record(op, started.elapsed());
         let response = response.map(Body::new);
         return Ok(with_retention(&settings, response));
     }
@@ -376,7 +412,7 @@ where
         Returned::Open(tx) => Some(tx),
         Returned::NotBegun => None,
         Returned::StillLent => {
-            lease.release("the handler kept its transaction").await;
+            lease.give_up("the handler kept its transaction").await;
             return Ok(refuse(
                 op,
                 IdempotencyRejection::Internal(
@@ -386,21 +422,36 @@ where
         }
     };
     let (mut response_parts, response_body) = response.into_parts();
-    // The handler's own word first, then the layer's policy by status.
+    let status = response_parts.status;
+    // The handler's own word first, then the layer's policy by status. `Some(None)`: not stored,
+    // and the key goes by the default for the route's effects.
     let after = match response_parts.extensions.remove::<Disposition>() {
         Some(Disposition::Store) => None,
-        Some(Disposition::Release) => Some(AfterError::Release),
-        Some(Disposition::Park(reason)) => Some(AfterError::Park(reason)),
-        None if (settings.store_response_if)(response_parts.status) => None,
-        None => Some((settings.after_unstored)(response_parts.status)),
+        Some(Disposition::Release) => Some(Some(AfterError::Release)),
+        Some(Disposition::Park(reason)) => Some(Some(AfterError::Park(reason))),
+        None if (settings.store_response_if)(status) => None,
+        None => Some(
+            settings
+                .after_unstored
+                .as_ref()
+                .map(|decide| decide(status)),
+        ),
+    };
+    // Only a success or a redirection commits the handler's writes; a stored client error is
+    // stored without them, in a transaction of its own.
+    let tx = match tx {
+        Some(tx) if after.is_none() && commits_writes(status) => Some(tx),
+        Some(tx) => {
+            let _ = tx.rollback().await;
+            None
+        }
+        None => None,
     };
     if let Some(after) = after {
-        if let Some(tx) = tx {
-            let _ = tx.rollback().await;
-        }
         match after {
-            AfterError::Release => lease.release("the response is not stored").await,
-            AfterError::Park(reason) => lease.park(&reason).await,
+            Some(AfterError::Release) => lease.release("the response is not stored").await,
+            Some(AfterError::Park(reason)) => lease.park(&reason).await,
+            None => lease.give_up("the response is not stored").await,
         }
         return Ok(Response::from_parts(
             response_parts,
@@ -415,7 +466,7 @@ where
     let response_body = match collected {
         Ok(bytes) => bytes,
         Err(error) => {
-            lease.release("the response body failed").await;
+            lease.give_up("the response body failed").await;
             return Ok(refuse(
                 op,
                 IdempotencyRejection::Internal(format!("response body: {error}")),
@@ -435,7 +486,7 @@ where
         None => match settings.idempotency.store().begin().await {
             Ok(tx) => tx,
             Err(error) => {
-                lease.release("could not begin a transaction").await;
+                lease.give_up("could not begin a transaction").await;
                 return Ok(refuse(op, IdempotencyRejection::from_engine(error.into())));
             }
         },
@@ -443,6 +494,7 @@ where
     match lease.take().finish(tx, &stored.to_bytes()).await {
         Ok(()) => {
             count(op, metrics::EXECUTED);
+            settings.estimates.record(op, started.elapsed());
             tracing::debug!(status = stored.status, "executed and stored response");
             let response = Response::from_parts(response_parts, Body::from(response_body));
             Ok(with_retention(&settings, response))
@@ -483,10 +535,9 @@ where
         .call(Request::from_parts(parts, body))
         .await?
         .map(Body::new);
-    let commit = match response.extensions_mut().remove::<Disposition>() {
-        Some(disposition) => disposition == Disposition::Store,
-        None => (settings.store_response_if)(response.status()),
-    };
+    // Nothing is stored here; the writes commit after a success or a redirection only.
+    response.extensions_mut().remove::<Disposition>();
+    let commit = commits_writes(response.status());
     match slot.take_back() {
         Returned::NotBegun => Ok(response),
         Returned::StillLent => Ok(refuse(
@@ -524,6 +575,7 @@ fn outcome_of_settled(status: http::StatusCode) -> &'static str {
 struct HeldLease<'o, S: Store> {
     slot: LeaseSlot<S>,
     operation: &'o str,
+    effects: Effects,
 }
 
 impl<S: Store> HeldLease<'_, S> {
@@ -544,10 +596,46 @@ impl<S: Store> HeldLease<'_, S> {
         }
     }
 
+    /// After a failure that may have come after an outside effect: local work's key is
+    /// released; external work's is never released by the layer, it stays pending for the
+    /// recovery job.
+    async fn give_up(&mut self, why: &'static str) {
+        match self.effects {
+            Effects::Local => self.release(why).await,
+            Effects::External => self.leave_pending(why),
+        }
+    }
+
+    fn leave_pending(&mut self, why: &'static str) {
+        let Some(lease) = self.slot.take() else {
+            // The handler took the lease (a durable operation): the key is its own to settle.
+            tracing::warn!(
+                reason = why,
+                "the handler held the key's lease; left as it is"
+            );
+            return;
+        };
+        count(self.operation, metrics::LEFT_PENDING);
+        tracing::warn!(
+            reason = why,
+            "outside effects may have happened; the key stays pending for the recovery job"
+        );
+        lease.leave_pending();
+    }
+
     async fn release(&mut self, why: &'static str) {
+        let Some(lease) = self.slot.take() else {
+            // A handler that took the lease (a durable operation) and then failed or panicked:
+            // the key is its own to settle; a dropped durable lease stays pending for the resumer.
+            tracing::warn!(
+                reason = why,
+                "the handler held the key's lease; not released"
+            );
+            return;
+        };
         count(self.operation, metrics::RELEASED);
         tracing::info!(reason = why, "releasing idempotency key");
-        if let Err(error) = self.take().release().await {
+        if let Err(error) = lease.release().await {
             tracing::warn!(%error, "could not release idempotency key; it stays pending until its lease ends");
         }
     }
@@ -556,8 +644,18 @@ impl<S: Store> HeldLease<'_, S> {
 impl<S: Store> Drop for HeldLease<'_, S> {
     fn drop(&mut self) {
         if self.slot.holds() {
-            count(self.operation, metrics::RELEASED);
-            tracing::info!("request cancelled; releasing idempotency key");
+            // The lease drops with us: local work's key is released, external work's stays
+            // pending (see `idempotency::Lease`).
+            match self.effects {
+                Effects::Local => {
+                    count(self.operation, metrics::RELEASED);
+                    tracing::info!("request cancelled; releasing idempotency key");
+                }
+                Effects::External => {
+                    count(self.operation, metrics::LEFT_PENDING);
+                    tracing::warn!("request cancelled; the key stays pending for the recovery job");
+                }
+            }
         }
     }
 }
@@ -661,7 +759,7 @@ fn with_retention<S: Store>(
 fn refuse(operation: &str, rejection: IdempotencyRejection) -> Response<Body> {
     count(operation, rejection.outcome());
     tracing::info!(%rejection, "idempotency layer refused the request");
-    rejection.to_problem().into_http_response()
+    rejection.to_response()
 }
 
 #[cfg(test)]

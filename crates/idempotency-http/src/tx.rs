@@ -142,10 +142,11 @@ impl IntoResponse for TxRejection {
 ///
 /// Write the handler's rows through it (`&mut **tx` is the connection); do **not** commit it: when
 /// the handler returns, the layer completes the idempotency key in this transaction and commits
-/// both together. If the response is not stored (5xx by default), the transaction is rolled back.
-/// On routes where the request runs unprotected (optional key absent, method not protected) the
-/// layer commits it after a stored-kind response (status < 500 by default), and rolls it back
-/// otherwise.
+/// both together. Only a success or a redirection (2xx, 3xx) commits it
+/// ([`commits_writes`](crate::commits_writes)); after any other response it is rolled back, even
+/// when that response is stored (a definitive 422 is stored without the handler's writes). On
+/// routes where the request runs unprotected (optional key absent, method not protected) the
+/// same rule applies: committed after a 2xx or 3xx, rolled back otherwise.
 ///
 /// Do not keep it past the response (in a spawned task or a streaming body): the layer then
 /// answers 500 and releases the key.

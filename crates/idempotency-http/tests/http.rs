@@ -1,4 +1,5 @@
-//! The layer in a real axum app over HTTP, against PostgreSQL and SQLite.
+//! The layer in a real axum app over HTTP, against PostgreSQL and SQLite (and the safe defaults
+//! also against MySQL/MariaDB).
 
 mod common;
 
@@ -32,6 +33,53 @@ macro_rules! on_both {
         }
     };
 }
+
+/// Runs a scenario on all three databases (PostgreSQL and MySQL skipped locally when their
+/// `TEST_*_URL` is unset).
+macro_rules! on_all {
+    ($($scenario:ident),* $(,)?) => {
+        mod all_backends {
+            mod postgres {
+                $(
+                    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                    async fn $scenario() {
+                        if let Some(app) = crate::common::TestApp::postgres().await {
+                            crate::$scenario(&app).await;
+                        }
+                    }
+                )*
+            }
+            mod mysql {
+                $(
+                    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                    async fn $scenario() {
+                        if let Some(app) = crate::common::TestApp::mysql().await {
+                            crate::$scenario(&app).await;
+                        }
+                    }
+                )*
+            }
+            mod sqlite {
+                $(
+                    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                    async fn $scenario() {
+                        let app = crate::common::TestApp::sqlite().await;
+                        crate::$scenario(&app).await;
+                    }
+                )*
+            }
+        }
+    };
+}
+
+on_all!(
+    a_write_then_404_commits_nothing_and_keeps_no_key,
+    a_write_then_422_is_stored_without_the_writes,
+    transient_4xx_are_never_stored,
+    a_redirect_commits_and_is_stored,
+    external_work_answering_5xx_keeps_its_key_pending,
+    external_work_that_panics_keeps_its_key_pending,
+);
 
 on_both!(
     concurrent_identical_posts_execute_once,
@@ -532,7 +580,7 @@ async fn store_down_is_503_and_the_handler_is_not_run() {
 
 /// `/strict` stores only 2xx, but a handler's [`Disposition`] decides for its own response.
 async fn handler_disposition_overrides_the_status_policy(app: &TestApp) {
-    // Store: a 402 is kept with the handler's rows and replayed byte for byte.
+    // Store: a 402 is kept (without the handler's rows) and replayed byte for byte.
     let key = new_key();
     let body = json!({"sku": "refused"});
     let first = Answer::of(
@@ -548,7 +596,11 @@ async fn handler_disposition_overrides_the_status_policy(app: &TestApp) {
         "{replay:?}"
     );
     assert_eq!(replay.body, first.body);
-    assert_eq!(app.db.orders("refused").await, 1, "committed with the key");
+    assert_eq!(
+        app.db.orders("refused").await,
+        0,
+        "a stored refusal is stored without the handler's writes"
+    );
 
     // Release: a 201 is not stored; its rows are rolled back and a retry runs again.
     let key = new_key();
@@ -579,4 +631,141 @@ async fn handler_disposition_overrides_the_status_policy(app: &TestApp) {
     Answer::of(app.post("/strict", "alice", Some(&key), &body))
         .await
         .assert_problem(409, types::NEEDS_REVIEW);
+}
+
+// --- Safe defaults: only a success commits; only a definitive answer is stored -------------------
+
+/// A handler that writes, then answers 404 ("unknown target"): its write is rolled back and the
+/// key released (a 404 may not be final: the target may exist later), so the retry runs again.
+async fn a_write_then_404_commits_nothing_and_keeps_no_key(app: &TestApp) {
+    let key = new_key();
+    let sku = format!("after-404-{key}");
+    let body = json!({"sku": sku});
+    let first = Answer::of(
+        app.post("/orders", "alice", Some(&key), &body)
+            .header("x-fail", "404"),
+    )
+    .await;
+    assert_eq!(first.status, 404, "{first:?}");
+    assert_eq!(
+        app.db.orders(&sku).await,
+        0,
+        "the write before the 404 was committed"
+    );
+    assert_eq!(
+        app.db.state_of(&key).await,
+        None,
+        "the key was kept after a 404"
+    );
+    let retry = Answer::of(app.post("/orders", "alice", Some(&key), &body)).await;
+    assert_eq!((retry.status, retry.replayed()), (201, false), "{retry:?}");
+    assert_eq!(app.db.orders(&sku).await, 1);
+}
+
+/// 422 is definitive: stored and replayed, but the handler's writes are rolled back.
+async fn a_write_then_422_is_stored_without_the_writes(app: &TestApp) {
+    let key = new_key();
+    let sku = format!("after-422-{key}");
+    let body = json!({"sku": sku});
+    let first = Answer::of(
+        app.post("/orders", "alice", Some(&key), &body)
+            .header("x-fail", "422"),
+    )
+    .await;
+    assert_eq!(first.status, 422, "{first:?}");
+    assert_eq!(
+        app.db.orders(&sku).await,
+        0,
+        "the write before the 422 was committed"
+    );
+    assert_eq!(app.db.state_of(&key).await.as_deref(), Some("completed"));
+    // The retry (which would now succeed) gets the stored 422, byte for byte, and runs nothing.
+    let retry = Answer::of(app.post("/orders", "alice", Some(&key), &body)).await;
+    assert_eq!((retry.status, retry.replayed()), (422, true), "{retry:?}");
+    assert_eq!(retry.body, first.body);
+    assert_eq!(app.db.orders(&sku).await, 0);
+}
+
+/// 408, 409, 425 and 429 say "try again": never stored, writes rolled back, the retry runs.
+async fn transient_4xx_are_never_stored(app: &TestApp) {
+    for status in ["408", "409", "425", "429"] {
+        let key = new_key();
+        let sku = format!("after-{status}-{key}");
+        let body = json!({"sku": sku});
+        let first = Answer::of(
+            app.post("/orders", "alice", Some(&key), &body)
+                .header("x-fail", status),
+        )
+        .await;
+        assert_eq!(first.status.to_string(), status, "{first:?}");
+        assert_eq!(app.db.orders(&sku).await, 0, "{status}: write committed");
+        assert_eq!(app.db.state_of(&key).await, None, "{status}: key kept");
+        let retry = Answer::of(app.post("/orders", "alice", Some(&key), &body)).await;
+        assert_eq!(
+            (retry.status, retry.replayed()),
+            (201, false),
+            "{status}: {retry:?}"
+        );
+        assert_eq!(app.db.orders(&sku).await, 1, "{status}");
+    }
+}
+
+/// A redirection (redirect-after-POST) commits like a success, and is stored.
+async fn a_redirect_commits_and_is_stored(app: &TestApp) {
+    let key = new_key();
+    let sku = format!("after-303-{key}");
+    let body = json!({"sku": sku});
+    let first = Answer::of(
+        app.post("/orders", "alice", Some(&key), &body)
+            .header("x-fail", "303"),
+    )
+    .await;
+    assert_eq!(first.status, 303, "{first:?}");
+    assert_eq!(app.db.orders(&sku).await, 1);
+    let retry = Answer::of(app.post("/orders", "alice", Some(&key), &body)).await;
+    assert_eq!((retry.status, retry.replayed()), (303, true), "{retry:?}");
+    assert_eq!(app.db.orders(&sku).await, 1);
+}
+
+/// With outside effects and no policy of its own, a 5xx neither commits nor releases: the outside
+/// call may have happened, so the key stays pending for the recovery job and retries get 409.
+async fn external_work_answering_5xx_keeps_its_key_pending(app: &TestApp) {
+    let key = new_key();
+    let sku = format!("external-500-{key}");
+    let body = json!({"sku": sku});
+    let first = Answer::of(
+        app.post("/external-default", "alice", Some(&key), &body)
+            .header("x-fail", "500"),
+    )
+    .await;
+    assert_eq!(first.status, 500, "{first:?}");
+    assert_eq!(app.db.orders(&sku).await, 0);
+    assert_eq!(app.db.state_of(&key).await.as_deref(), Some("pending"));
+    Answer::of(app.post("/external-default", "alice", Some(&key), &body))
+        .await
+        .assert_problem(409, types::IN_PROGRESS);
+    assert_eq!(app.db.orders(&sku).await, 0);
+}
+
+/// The same after a panic: the key of external work is never released by the layer.
+async fn external_work_that_panics_keeps_its_key_pending(app: &TestApp) {
+    let key = new_key();
+    let sku = format!("external-panic-{key}");
+    let body = json!({"sku": sku});
+    // The connection dies with the handler (no catch-panic layer in this app) or answers 500.
+    let outcome = app
+        .post("/external-default", "alice", Some(&key), &body)
+        .header("x-fail", "panic")
+        .send()
+        .await;
+    if let Ok(response) = outcome {
+        assert!(response.status().is_server_error());
+    }
+    // Whatever the layer does with the key, it has done it once the handler's write is gone.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(app.db.orders(&sku).await, 0);
+    assert_eq!(app.db.state_of(&key).await.as_deref(), Some("pending"));
+    Answer::of(app.post("/external-default", "alice", Some(&key), &body))
+        .await
+        .assert_problem(409, types::IN_PROGRESS);
 }

@@ -1,6 +1,7 @@
 #![doc = include_str!("../README.md")]
 #![warn(missing_docs)]
 
+pub mod consumer;
 pub mod error;
 pub mod fingerprint;
 pub mod key;
@@ -13,6 +14,7 @@ pub mod steps;
 pub mod store;
 pub mod worker;
 
+pub use consumer::{Consumer, DeadLetter, Decision, FailureKind, Message};
 pub use error::{Error, StoreError};
 pub use fingerprint::{Fingerprint, FingerprintBuilder};
 pub use key::{IdempotencyKey, InvalidKey, KeyPart};

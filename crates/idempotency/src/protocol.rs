@@ -221,6 +221,21 @@ impl<S: Store> Lease<S> {
         false
     }
 
+    /// Gives the key up **without releasing it**: it stays pending until its lease ends, and
+    /// then the recovery job settles it (asking the provider, or parking it for review). For
+    /// work whose outside effect may have happened and nobody knows (a handler that failed or
+    /// panicked after calling a provider).
+    ///
+    /// ```no_run
+    /// # async fn demo(lease: idempotency::Lease<idempotency::store::sqlite::SqliteStore>) {
+    /// lease.leave_pending();
+    /// # }
+    /// ```
+    pub fn leave_pending(mut self) {
+        self.armed = false;
+        tracing::warn!(key = %self.key, "outcome unknown; the key stays pending for the recovery job");
+    }
+
     /// Parks the key as `needs_review` if it is still pending with our token.
     pub async fn park(mut self, reason: &str) -> Result<bool, StoreError> {
         self.armed = false;

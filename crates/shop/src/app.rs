@@ -55,6 +55,10 @@ pub struct Config {
     /// The pause between passes of the maintenance worker (resume, recover, purge); `None`
     /// runs no worker.
     pub worker_interval: Option<Duration>,
+    /// How long a duplicate of a keyed request still in flight waits for it, to answer with its
+    /// stored response instead of a 409 (`IdempotencyLayer::wait_for_in_flight`); `None`: 409 at
+    /// once.
+    pub wait_for_in_flight: Option<Duration>,
 }
 
 impl Config {
@@ -69,6 +73,7 @@ impl Config {
             unguarded_purchases: false,
             lease: Duration::from_secs(30),
             worker_interval: Some(Duration::from_secs(1)),
+            wait_for_in_flight: None,
         }
     }
 }
@@ -93,6 +98,7 @@ struct Inner {
     payment: PaymentProvider,
     mail: MailProvider,
     purchase: Arc<Purchase>,
+    wait_for_in_flight: Option<Duration>,
 }
 
 /// Shared state of the service.
@@ -129,6 +135,7 @@ impl App {
             db,
             engine,
             providers,
+            wait_for_in_flight: config.wait_for_in_flight,
         })))
     }
 
@@ -182,6 +189,12 @@ impl App {
                 .with_interval(interval)
                 .spawn(),
         }
+    }
+
+    /// How long a duplicate of a keyed request in flight waits for it (see
+    /// [`Config::wait_for_in_flight`]).
+    pub fn wait_for_in_flight(&self) -> Option<Duration> {
+        self.0.wait_for_in_flight
     }
 
     /// Which backend.

@@ -57,6 +57,10 @@ struct ServeArgs {
     /// Run no maintenance worker (another process runs it, or `idem recover` does).
     #[arg(long)]
     no_worker: bool,
+    /// How long, in milliseconds, a duplicate of a keyed request still in flight waits for it and
+    /// then answers with its stored response instead of a 409 (0: 409 at once).
+    #[arg(long, default_value_t = 0)]
+    wait_for_in_flight_ms: u64,
     /// Also mount `POST /unprotected/purchases` (the purchase handler without the idempotency middleware).
     #[arg(long, hide = true)]
     bench_routes: bool,
@@ -107,6 +111,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     config.lease = Duration::from_millis(args.lease_ms);
     config.worker_interval =
         (!args.no_worker).then(|| Duration::from_millis(args.worker_interval_ms.max(10)));
+    config.wait_for_in_flight =
+        (args.wait_for_in_flight_ms > 0).then(|| Duration::from_millis(args.wait_for_in_flight_ms));
     let running = app::start(&config, &args.listen).await?;
     let url = running.url();
     let database = args

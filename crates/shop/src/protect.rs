@@ -57,10 +57,19 @@ pub fn layer<S: Store>(engine: Idempotency<S>, route: KeyedRoute) -> Idempotency
         .detach(true)
 }
 
-/// Puts `handler` behind the idempotency layer for the shop's backend.
+/// Puts `handler` behind the idempotency layer for the shop's backend; with
+/// [`Config::wait_for_in_flight`](crate::app::Config::wait_for_in_flight), a duplicate of a request
+/// in flight waits for it (bounded) and gets its stored response instead of a 409.
 pub fn keyed(app: &App, route: KeyedRoute, handler: MethodRouter<App>) -> MethodRouter<App> {
     match app.engine() {
-        Engine::Pg(engine) => handler.layer(layer(engine.clone(), route)),
-        Engine::Sqlite(engine) => handler.layer(layer(engine.clone(), route)),
+        Engine::Pg(engine) => handler.layer(waiting(app, layer(engine.clone(), route))),
+        Engine::Sqlite(engine) => handler.layer(waiting(app, layer(engine.clone(), route))),
+    }
+}
+
+fn waiting<S: Store>(app: &App, layer: IdempotencyLayer<S>) -> IdempotencyLayer<S> {
+    match app.wait_for_in_flight() {
+        Some(bound) => layer.wait_for_in_flight(bound),
+        None => layer,
     }
 }

@@ -123,7 +123,7 @@ impl FromRequestParts<App> for HeldKey {
 }
 
 /// Middleware for routes without a key: runs the handler in a plain transaction, committed
-/// after a 2xx (or a response marked [`Disposition::Store`]) and rolled back otherwise. The
+/// after a 2xx or 3xx ([`idempotency_http::commits_writes`]) and rolled back otherwise. The
 /// request runs in a task of its own, so a client that goes away does not cut it short.
 pub async fn plain_tx(State(app): State<App>, request: Request, next: Next) -> Response {
     tokio::spawn(in_plain_tx(app, request, next))
@@ -139,10 +139,9 @@ async fn in_plain_tx(app: App, mut request: Request, next: Next) -> Response {
     let slot = PlainSlot(Arc::new(Mutex::new(Some(tx))));
     request.extensions_mut().insert(slot.clone());
     let mut response = next.run(request).await;
-    let commit = match response.extensions_mut().remove::<Disposition>() {
-        Some(disposition) => disposition == Disposition::Store,
-        None => response.status().is_success(),
-    };
+    // As behind the layer: only a success or a redirection commits the handler's writes.
+    response.extensions_mut().remove::<Disposition>();
+    let commit = idempotency_http::commits_writes(response.status());
     let Some(tx) = slot.lock().take() else {
         return no_tx().into_response();
     };

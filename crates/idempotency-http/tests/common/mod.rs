@@ -1,4 +1,5 @@
-//! One harness for the HTTP tests: a real axum app on a loopback port, on PostgreSQL or SQLite.
+//! One harness for the HTTP tests: a real axum app on a loopback port, on PostgreSQL, SQLite or
+//! MySQL/MariaDB.
 #![allow(dead_code)]
 
 use axum::{
@@ -10,11 +11,11 @@ use axum::{
 };
 use futures_util::future::BoxFuture;
 use idempotency::{
-    store::{postgres::PgStore, sqlite::SqliteStore, Store},
+    store::{mysql::MySqlStore, postgres::PgStore, sqlite::SqliteStore, Store},
     Idempotency,
 };
 use idempotency_http::{Disposition, IdempotencyLayer, IdempotentTx, KeyRequirement};
-use sqlx::{PgPool, Postgres, Sqlite, SqlitePool};
+use sqlx::{MySql, MySqlPool, PgPool, Postgres, Sqlite, SqlitePool};
 use std::time::Duration;
 
 /// The business write of the test handler, per database.
@@ -54,6 +55,23 @@ impl Backend for Sqlite {
                 .bind(sku)
                 .fetch_one(&mut **tx)
                 .await
+        })
+    }
+}
+
+impl Backend for MySql {
+    fn insert_order<'a>(
+        tx: &'a mut sqlx::Transaction<'static, Self>,
+        scope: &'a str,
+        sku: &'a str,
+    ) -> BoxFuture<'a, Result<i64, sqlx::Error>> {
+        Box::pin(async move {
+            let done = sqlx::query("INSERT INTO orders (scope, sku) VALUES (?, ?)")
+                .bind(scope)
+                .bind(sku)
+                .execute(&mut **tx)
+                .await?;
+            Ok(done.last_insert_id() as i64)
         })
     }
 }
@@ -105,7 +123,20 @@ async fn create_order<DB: Backend>(
         }
         Some("502") => return (StatusCode::BAD_GATEWAY, "provider timed out").into_response(),
         Some("panic") => panic!("handler panics on purpose"),
-        _ => {}
+        // Any other status after the write (404 "unknown target", 422, 429, 303, ...).
+        Some(other) => {
+            if let Some(status) = other
+                .parse()
+                .ok()
+                .and_then(|s| StatusCode::from_u16(s).ok())
+            {
+                let body = Json(
+                    serde_json::json!({"status": status.as_u16(), "nonce": uuid::Uuid::new_v4()}),
+                );
+                return (status, body).into_response();
+            }
+        }
+        None => {}
     }
     // The handler's own word on the key, overriding the layer's policy by status.
     let disposition = match header(&headers, "x-disposition") {
@@ -202,6 +233,10 @@ where
                     _ => idempotency::AfterError::Release,
                 }),
         );
+    // External effects with the layer's defaults (no policy of its own).
+    let external_default = Router::new()
+        .route("/external-default", post(create_order::<S::Database>))
+        .route_layer(layer(store.clone()).effects(idempotency::Effects::External));
     let strict = Router::new()
         .route("/strict", post(create_order::<S::Database>))
         .route_layer(layer(store.clone()).store_response_if(|status| status.is_success()));
@@ -215,6 +250,7 @@ where
         .merge(small)
         .merge(short_lease)
         .merge(external)
+        .merge(external_default)
 }
 
 /// Serves `router` on a random loopback port; returns its base URL.
@@ -230,6 +266,7 @@ pub async fn serve(router: Router) -> String {
 pub enum Db {
     Pg(PgPool),
     Lite(SqlitePool),
+    My(MySqlPool),
 }
 
 impl Db {
@@ -237,6 +274,7 @@ impl Db {
         match self {
             Db::Pg(pool) => sqlx::query_scalar(sql).fetch_one(pool).await.unwrap(),
             Db::Lite(pool) => sqlx::query_scalar(sql).fetch_one(pool).await.unwrap(),
+            Db::My(pool) => sqlx::query_scalar(sql).fetch_one(pool).await.unwrap(),
         }
     }
 
@@ -247,6 +285,24 @@ impl Db {
 
     pub async fn keys(&self) -> i64 {
         self.scalar("SELECT COUNT(*) FROM idempotency_keys").await
+    }
+
+    /// The state of the key the client sent as `key` (any scope and operation), if a row exists.
+    pub async fn state_of(&self, key: &str) -> Option<String> {
+        let sql = format!("SELECT state FROM idempotency_keys WHERE idem_key = '{key}'");
+        match self {
+            Db::Pg(pool) => sqlx::query_scalar(&sql).fetch_optional(pool).await.unwrap(),
+            Db::Lite(pool) => sqlx::query_scalar(&sql).fetch_optional(pool).await.unwrap(),
+            // `state` is `ascii_bin`, which sqlx reads as bytes.
+            Db::My(pool) => sqlx::query_scalar(&sql.replacen(
+                "SELECT state",
+                "SELECT CONVERT(state USING utf8mb4)",
+                1,
+            ))
+            .fetch_optional(pool)
+            .await
+            .unwrap(),
+        }
     }
 
     pub async fn keys_in_state(&self, state: &str) -> i64 {
@@ -296,6 +352,29 @@ impl TestApp {
         Some(Self {
             url: serve(app(store)).await,
             db: Db::Pg(pool),
+            client: reqwest::Client::new(),
+            _sqlite: None,
+        })
+    }
+
+    pub async fn mysql() -> Option<Self> {
+        let url = test_support::fresh_mysql_url().await?;
+        let pool = sqlx::mysql::MySqlPoolOptions::new()
+            .max_connections(20)
+            .connect(&url)
+            .await
+            .unwrap();
+        let store = MySqlStore::new(pool.clone());
+        store.migrate().await.unwrap();
+        sqlx::query(
+            "CREATE TABLE orders (id BIGINT AUTO_INCREMENT PRIMARY KEY, scope VARCHAR(255) NOT NULL, sku VARCHAR(255) NOT NULL)",
+        )
+        .execute(&pool)
+        .await
+        .unwrap();
+        Some(Self {
+            url: serve(app(store)).await,
+            db: Db::My(pool),
             client: reqwest::Client::new(),
             _sqlite: None,
         })

@@ -414,6 +414,146 @@ pub trait Store: Clone + Send + Sync + 'static {
         token: LeaseToken,
         retry_after: Duration,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// Waits, at most `timeout`, for a pending key to stop being pending: for a duplicate that
+    /// arrived while the original request still runs, so that it can answer with the original's
+    /// stored result instead of a 409.
+    ///
+    /// Returns [`Awaited::Completed`] with the stored result once the key is completed with
+    /// `fingerprint`; [`Awaited::Settled`] once anything else happened that a new reservation
+    /// must decide (the key was released, parked, completed for another request, or its lease
+    /// ended so that a retry may take it over or resume it); [`Awaited::TimedOut`] if it is still
+    /// pending when `timeout` runs out. It only reads.
+    ///
+    /// The provided implementation polls [`find`](Store::find): after 1 ms, then each pause
+    /// doubling up to 25 ms ([`POLL_FIRST`], [`POLL_MAX`]), and never past the lease's end or
+    /// the timeout. The PostgreSQL store overrides it with `LISTEN`, woken by the `NOTIFY` of
+    /// [`notify_settled`](Store::notify_settled), keeping a slower poll as a safety net.
+    ///
+    /// ```no_run
+    /// # #[cfg(feature = "sqlite")]
+    /// # async fn demo(key: idempotency::IdempotencyKey, fingerprint: idempotency::Fingerprint) -> Result<(), idempotency::StoreError> {
+    /// use idempotency::store::{sqlite::SqliteStore, Awaited, Store};
+    /// use std::time::Duration;
+    /// let store = SqliteStore::connect("sqlite://keys.db?mode=rwc").await?;
+    /// match store.wait_for_completion(&key, &fingerprint, Duration::from_secs(2)).await? {
+    ///     Awaited::Completed(result) => println!("replay {} bytes", result.len()),
+    ///     Awaited::Settled => println!("reserve again"),
+    ///     Awaited::TimedOut => println!("still running: 409"),
+    /// }
+    /// # Ok(()) }
+    /// ```
+    fn wait_for_completion(
+        &self,
+        key: &IdempotencyKey,
+        fingerprint: &Fingerprint,
+        timeout: Duration,
+    ) -> impl Future<Output = Result<Awaited, StoreError>> + Send {
+        poll_for_completion(self, key, fingerprint, timeout)
+    }
+
+    /// Tells [`wait_for_completion`](Store::wait_for_completion)ers in other processes that
+    /// `key` has just stopped being pending: called after the commit that completed it, or after
+    /// it was released or parked. Where the database has no notification, this does nothing (the
+    /// provided implementation) and waiters poll; PostgreSQL sends a `NOTIFY`.
+    ///
+    /// ```no_run
+    /// # #[cfg(feature = "postgres")]
+    /// # async fn demo(store: idempotency::store::postgres::PgStore, key: idempotency::IdempotencyKey) -> Result<(), idempotency::StoreError> {
+    /// use idempotency::store::Store;
+    /// store.notify_settled(&key).await?;
+    /// # Ok(()) }
+    /// ```
+    fn notify_settled(
+        &self,
+        key: &IdempotencyKey,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        let _ = key;
+        async { Ok(()) }
+    }
+}
+
+/// The first pause of the polling [`Store::wait_for_completion`].
+pub const POLL_FIRST: Duration = Duration::from_millis(1);
+
+/// The longest pause of the polling [`Store::wait_for_completion`].
+pub const POLL_MAX: Duration = Duration::from_millis(25);
+
+/// What [`Store::wait_for_completion`] saw.
+///
+/// ```
+/// use idempotency::store::Awaited;
+/// assert_ne!(Awaited::Completed(b"{}".to_vec()), Awaited::TimedOut);
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Awaited {
+    /// The key completed with the awaited fingerprint: its stored result, to replay.
+    Completed(Vec<u8>),
+    /// The key is no longer pending as it was (released, parked, failed, completed for another
+    /// request, expired, or its lease ended so that it may be taken over or resumed): reserve
+    /// again to learn what to do.
+    Settled,
+    /// Still pending when the time ran out.
+    TimedOut,
+}
+
+/// What a read of the awaited key says: `Some` once the wait is over, `None` while the key is
+/// pending with a live lease (or pending where no retry could take it over).
+pub(crate) fn awaited(record: Option<KeyRecord>, fingerprint: &Fingerprint) -> Option<Awaited> {
+    let Some(record) = record else {
+        return Some(Awaited::Settled);
+    };
+    match record.state {
+        KeyState::Completed if !record.expired && record.fingerprint == *fingerprint => {
+            Some(Awaited::Completed(record.result.unwrap_or_default()))
+        }
+        KeyState::Pending if record.lease_expired() => {
+            // A reservation would take it over (local) or resume it (a durable operation of this
+            // request); any other pending key stays in progress whatever a retry does.
+            let takeable = record.effects == Effects::Local
+                || (record.is_resumable() && record.fingerprint == *fingerprint);
+            takeable.then_some(Awaited::Settled)
+        }
+        KeyState::Pending => None,
+        _ => Some(Awaited::Settled),
+    }
+}
+
+/// How long to sleep before looking again: `pause`, but never past the lease's end (then the
+/// key may be taken over) nor past `deadline`.
+pub(crate) fn next_look(
+    pause: Duration,
+    record_lease: Option<Duration>,
+    deadline: tokio::time::Instant,
+) -> Duration {
+    let mut sleep = pause;
+    if let Some(lease) = record_lease.filter(|lease| !lease.is_zero()) {
+        sleep = sleep.min(lease + Duration::from_millis(1));
+    }
+    sleep.min(deadline.saturating_duration_since(tokio::time::Instant::now()))
+}
+
+/// The provided [`Store::wait_for_completion`]: bounded polling of [`Store::find`].
+pub(crate) async fn poll_for_completion<S: Store>(
+    store: &S,
+    key: &IdempotencyKey,
+    fingerprint: &Fingerprint,
+    timeout: Duration,
+) -> Result<Awaited, StoreError> {
+    let deadline = tokio::time::Instant::now() + timeout;
+    let mut pause = POLL_FIRST;
+    loop {
+        let record = store.find(key).await?;
+        let lease = record.as_ref().map(|record| record.lease_remaining);
+        if let Some(done) = awaited(record, fingerprint) {
+            return Ok(done);
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Ok(Awaited::TimedOut);
+        }
+        tokio::time::sleep(next_look(pause, lease, deadline)).await;
+        pause = (pause * 2).min(POLL_MAX);
+    }
 }
 
 /// After an insert lost to an existing row: read that row, or report it gone.

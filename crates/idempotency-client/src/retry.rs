@@ -1,0 +1,312 @@
+//! The retry rules: which answers are final, which are retried, and when (see the crate
+//! documentation for the table and the reasons).
+
+use crate::middleware::RETRY_AFTER_MS;
+use bytes::Bytes;
+use http::{header, HeaderMap, Method, StatusCode};
+use reqwest::{Response, ResponseBuilderExt};
+use std::time::{Duration, SystemTime};
+
+/// The largest answer body read to learn a 409's or 422's problem type.
+pub(crate) const INSPECT_LIMIT: u64 = 64 * 1024;
+
+/// What to do after one attempt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Verdict {
+    /// Give this answer back.
+    Final,
+    /// The 422 `key-reused`: the typed error.
+    KeyReused,
+    /// Send again: the request never reached the server.
+    Retry,
+    /// Send again if the request may be resent (keyed, or of an idempotent method): the server
+    /// may have seen it.
+    RetryIfResendable,
+}
+
+/// Whether a method is idempotent by its definition (RFC 9110 §9.2.2), so that resending it
+/// needs no key.
+pub(crate) fn is_idempotent(method: &Method) -> bool {
+    matches!(
+        *method,
+        Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE | Method::PUT | Method::DELETE
+    )
+}
+
+/// The server's retry hint: `Retry-After-Ms` (milliseconds) if present and valid, else
+/// `Retry-After` as delay-seconds or an HTTP-date.
+///
+/// ```
+/// # use http::{HeaderMap, HeaderValue};
+/// # use std::time::Duration;
+/// let mut headers = HeaderMap::new();
+/// headers.insert("retry-after", HeaderValue::from_static("1"));
+/// assert_eq!(idempotency_client::retry_hint(&headers), Some(Duration::from_secs(1)));
+/// headers.insert("retry-after-ms", HeaderValue::from_static("40"));
+/// assert_eq!(idempotency_client::retry_hint(&headers), Some(Duration::from_millis(40)));
+/// ```
+pub fn hint(headers: &HeaderMap) -> Option<Duration> {
+    let text = |name: &str| headers.get(name)?.to_str().ok().map(str::trim);
+    if let Some(millis) = text(RETRY_AFTER_MS).and_then(|v| v.parse::<u64>().ok()) {
+        return Some(Duration::from_millis(millis));
+    }
+    let value = text(header::RETRY_AFTER.as_str())?;
+    if let Ok(seconds) = value.parse::<u64>() {
+        return Some(Duration::from_secs(seconds));
+    }
+    let at = httpdate::parse_http_date(value).ok()?;
+    Some(at.duration_since(SystemTime::now()).unwrap_or_default())
+}
+
+/// The last path segment of a problem `type` URI (`…/problems/in-progress` → `in-progress`), so
+/// that the middleware's problems and an application's own (`…/problems/shop/in-progress`) are
+/// read alike.
+fn slug(type_uri: &str) -> &str {
+    type_uri.rsplit('/').next().unwrap_or(type_uri)
+}
+
+/// The rules, for an answer.
+pub(crate) fn classify(
+    status: StatusCode,
+    replayed: bool,
+    retry_after: Option<Duration>,
+    inspected: &Inspected,
+) -> Verdict {
+    if replayed {
+        // The server's stored answer: every retry would replay it again.
+        return Verdict::Final;
+    }
+    let problem = inspected.problem_type().map(slug);
+    match status.as_u16() {
+        408 => Verdict::RetryIfResendable,
+        409 => match problem {
+            Some("in-progress" | "lease-lost") => Verdict::RetryIfResendable,
+            Some("needs-review") => Verdict::Final,
+            _ if retry_after.is_some() => Verdict::RetryIfResendable,
+            _ => Verdict::Final,
+        },
+        422 if problem == Some("key-reused") => Verdict::KeyReused,
+        429 | 500 if retry_after.is_some() => Verdict::RetryIfResendable,
+        502..=504 => Verdict::RetryIfResendable,
+        _ => Verdict::Final,
+    }
+}
+
+/// An answer, with its problem document read where the rules need it (409, 422): the body is
+/// read then and the response rebuilt around it.
+pub(crate) struct Inspected {
+    response: Response,
+    problem: Option<serde_json::Value>,
+    body: Option<Bytes>,
+}
+
+impl Inspected {
+    /// Reads a 409's or 422's JSON body (up to [`INSPECT_LIMIT`]); passes the others untouched.
+    pub(crate) async fn read(response: Response) -> Result<Self, reqwest::Error> {
+        let inspect = matches!(response.status().as_u16(), 409 | 422)
+            && is_json(response.headers())
+            && response
+                .content_length()
+                .is_none_or(|length| length <= INSPECT_LIMIT);
+        if !inspect {
+            return Ok(Self {
+                response,
+                problem: None,
+                body: None,
+            });
+        }
+        let status = response.status();
+        let version = response.version();
+        let url = response.url().clone();
+        let headers = response.headers().clone();
+        let mut response = response;
+        let extensions = std::mem::take(response.extensions_mut());
+        let body = response.bytes().await?;
+        let problem = serde_json::from_slice::<serde_json::Value>(&body).ok();
+        let mut builder = http::Response::builder()
+            .status(status)
+            .version(version)
+            .url(url);
+        if let Some(slot) = builder.headers_mut() {
+            *slot = headers;
+        }
+        let mut rebuilt: Response = builder
+            .body(body.clone())
+            .expect("the parts of a received response are valid")
+            .into();
+        *rebuilt.extensions_mut() = extensions;
+        Ok(Self {
+            response: rebuilt,
+            problem,
+            body: Some(body),
+        })
+    }
+
+    /// The problem `type`, where the body was read and has one.
+    pub(crate) fn problem_type(&self) -> Option<&str> {
+        self.problem.as_ref()?.get("type")?.as_str()
+    }
+
+    /// The problem's `detail`, else the body as text.
+    pub(crate) fn detail(&self) -> String {
+        let detail = self
+            .problem
+            .as_ref()
+            .and_then(|p| p.get("detail"))
+            .and_then(|d| d.as_str());
+        match (detail, &self.body) {
+            (Some(detail), _) => detail.to_owned(),
+            (None, Some(body)) => String::from_utf8_lossy(body).into_owned(),
+            (None, None) => String::new(),
+        }
+    }
+
+    pub(crate) fn into_response(self) -> Response {
+        self.response
+    }
+}
+
+/// `application/json`, `application/problem+json` or another `+json` type.
+fn is_json(headers: &HeaderMap) -> bool {
+    headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .map(|v| {
+            v.split(';')
+                .next()
+                .unwrap_or("")
+                .trim()
+                .to_ascii_lowercase()
+        })
+        .is_some_and(|essence| essence == "application/json" || essence.ends_with("+json"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn answer(status: u16, problem: Option<&str>) -> Inspected {
+        let response: Response = http::Response::builder()
+            .status(status)
+            .body(Bytes::new())
+            .unwrap()
+            .into();
+        Inspected {
+            response,
+            problem: problem.map(|t| serde_json::json!({ "type": t })),
+            body: None,
+        }
+    }
+
+    fn verdict(status: u16, problem: Option<&str>, hint: Option<u64>) -> Verdict {
+        classify(
+            StatusCode::from_u16(status).unwrap(),
+            false,
+            hint.map(Duration::from_millis),
+            &answer(status, problem),
+        )
+    }
+
+    #[test]
+    fn the_rules() {
+        use Verdict::*;
+        for status in [200, 201, 204, 301, 400, 401, 403, 404, 405, 410, 413, 415] {
+            assert_eq!(verdict(status, None, None), Final, "{status}");
+            assert_eq!(
+                verdict(status, None, Some(10)),
+                Final,
+                "{status} with a hint"
+            );
+        }
+        assert_eq!(verdict(422, None, Some(10)), Final);
+        assert_eq!(
+            verdict(422, Some("https://x/problems/invalid-body"), None),
+            Final
+        );
+        assert_eq!(
+            verdict(
+                422,
+                Some("https://idempotency.dev/problems/key-reused"),
+                None
+            ),
+            KeyReused
+        );
+        let in_progress = Some("https://idempotency.dev/problems/in-progress");
+        assert_eq!(verdict(409, in_progress, None), RetryIfResendable);
+        assert_eq!(
+            verdict(
+                409,
+                Some("https://idempotency.dev/problems/lease-lost"),
+                None
+            ),
+            RetryIfResendable
+        );
+        assert_eq!(
+            verdict(
+                409,
+                Some("https://idempotency.dev/problems/shop/in-progress"),
+                None
+            ),
+            RetryIfResendable
+        );
+        assert_eq!(
+            verdict(
+                409,
+                Some("https://idempotency.dev/problems/needs-review"),
+                Some(5)
+            ),
+            Final
+        );
+        assert_eq!(verdict(409, Some("https://x/duplicate-email"), None), Final);
+        assert_eq!(verdict(409, None, Some(5)), RetryIfResendable);
+        assert_eq!(verdict(500, None, None), Final);
+        assert_eq!(verdict(500, None, Some(1000)), RetryIfResendable);
+        assert_eq!(verdict(429, None, None), Final);
+        assert_eq!(verdict(429, None, Some(1000)), RetryIfResendable);
+        for status in [502, 503, 504, 408] {
+            assert_eq!(verdict(status, None, None), RetryIfResendable, "{status}");
+        }
+        assert_eq!(verdict(501, None, None), Final);
+        let replayed_502 = classify(
+            StatusCode::BAD_GATEWAY,
+            true,
+            None,
+            &answer(502, Some("https://x/payment-failed")),
+        );
+        assert_eq!(replayed_502, Final);
+    }
+
+    #[test]
+    fn hints() {
+        let mut headers = HeaderMap::new();
+        assert_eq!(hint(&headers), None);
+        headers.insert("retry-after", "garbage".parse().unwrap());
+        assert_eq!(hint(&headers), None);
+        let soon = SystemTime::now() + Duration::from_secs(120);
+        headers.insert(
+            "retry-after",
+            httpdate::fmt_http_date(soon).parse().unwrap(),
+        );
+        let from_date = hint(&headers).unwrap();
+        assert!(from_date > Duration::from_secs(100) && from_date <= Duration::from_secs(120));
+        headers.insert("retry-after-ms", "not a number".parse().unwrap());
+        assert!(hint(&headers).unwrap() > Duration::from_secs(100));
+        headers.insert("retry-after-ms", "7".parse().unwrap());
+        assert_eq!(hint(&headers), Some(Duration::from_millis(7)));
+    }
+
+    #[test]
+    fn recognises_json() {
+        let mut headers = HeaderMap::new();
+        assert!(!is_json(&headers));
+        for (value, json) in [
+            ("application/json", true),
+            ("application/problem+json", true),
+            ("Application/Problem+JSON; charset=utf-8", true),
+            ("text/plain", false),
+        ] {
+            headers.insert(header::CONTENT_TYPE, value.parse().unwrap());
+            assert_eq!(is_json(&headers), json, "{value}");
+        }
+    }
+}

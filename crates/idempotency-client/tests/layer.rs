@@ -1,0 +1,420 @@
+//! The client against the real `idempotency-http` layer, in process, on SQLite and PostgreSQL:
+//! double clicks with and without `wait_for_in_flight`, the wait's bound, a released key, and the
+//! 422 key-reused.
+
+use axum::{http::StatusCode, response::IntoResponse, routing::post, Json, Router};
+use idempotency::{
+    store::{postgres::PgStore, sqlite::SqliteStore, Store},
+    Idempotency,
+};
+use idempotency_client::{
+    IdempotencyError, IdempotencyMiddleware, Outcome, RequestKey, RetryPolicy,
+};
+use idempotency_http::{IdempotencyLayer, MissingScope};
+use reqwest_middleware::ClientWithMiddleware;
+use serde_json::json;
+use std::{
+    sync::{
+        atomic::{AtomicUsize, Ordering},
+        Arc,
+    },
+    time::{Duration, Instant},
+};
+
+/// A protected `POST /work`: sleeps `delay`, counts its executions, answers 201 with the run
+/// number; its `fail_first` executions answer 500 instead (the layer releases the key).
+struct App {
+    url: String,
+    runs: Arc<AtomicUsize>,
+    _sqlite: Option<test_support::SqliteFile>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for App {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+async fn app_on<S: Store>(
+    store: S,
+    delay: Duration,
+    fail_first: usize,
+    wait: Option<Duration>,
+) -> (String, Arc<AtomicUsize>, tokio::task::JoinHandle<()>) {
+    store.migrate().await.unwrap();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let counter = runs.clone();
+    let handler = move || {
+        let counter = counter.clone();
+        async move {
+            let run = counter.fetch_add(1, Ordering::SeqCst) + 1;
+            tokio::time::sleep(delay).await;
+            if run <= fail_first {
+                return (StatusCode::INTERNAL_SERVER_ERROR, "try again").into_response();
+            }
+            (StatusCode::CREATED, Json(json!({ "run": run }))).into_response()
+        }
+    };
+    let mut layer = IdempotencyLayer::new(Idempotency::new(store))
+        .missing_scope(MissingScope::Fixed("tests".into()));
+    if let Some(bound) = wait {
+        layer = layer.wait_for_in_flight(bound);
+    }
+    let router = Router::new().route("/work", post(handler).route_layer(layer));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let task = tokio::spawn(async move {
+        axum::serve(listener, router).await.unwrap();
+    });
+    (url, runs, task)
+}
+
+async fn app(
+    kind: &str,
+    delay: Duration,
+    fail_first: usize,
+    wait: Option<Duration>,
+) -> Option<App> {
+    match kind {
+        "sqlite" => {
+            let file = test_support::fresh_sqlite();
+            let store = SqliteStore::connect(&file.url).await.unwrap();
+            let (url, runs, task) = app_on(store, delay, fail_first, wait).await;
+            Some(App {
+                url,
+                runs,
+                _sqlite: Some(file),
+                task,
+            })
+        }
+        "postgres" => {
+            let Some(url) = test_support::fresh_postgres_url().await else {
+                eprintln!("SKIPPED: TEST_POSTGRES_URL is not set");
+                return None;
+            };
+            let store = PgStore::connect(&url).await.unwrap();
+            let (url, runs, task) = app_on(store, delay, fail_first, wait).await;
+            Some(App {
+                url,
+                runs,
+                _sqlite: None,
+                task,
+            })
+        }
+        other => panic!("unknown backend {other}"),
+    }
+}
+
+fn client(policy: RetryPolicy) -> ClientWithMiddleware {
+    reqwest_middleware::ClientBuilder::new(reqwest::Client::new())
+        .with(IdempotencyMiddleware::new().policy(policy))
+        .build()
+}
+
+/// Sends `n` copies of one operation at once, with plain reqwest (every status is seen as sent).
+async fn double_clicks(url: &str, key: &str, n: usize) -> Vec<(u16, bool, Duration)> {
+    let http = reqwest::Client::new();
+    let copies = (0..n).map(|_| {
+        let http = http.clone();
+        async move {
+            let started = Instant::now();
+            let response = http
+                .post(format!("{url}/work"))
+                .header("idempotency-key", key)
+                .header("content-type", "application/json")
+                .body(r#"{"amount": 5}"#)
+                .send()
+                .await
+                .unwrap();
+            let replayed = response.headers().contains_key("idempotent-replayed");
+            let status = response.status().as_u16();
+            let _ = response.bytes().await;
+            (status, replayed, started.elapsed())
+        }
+    });
+    futures_util::future::join_all(copies).await
+}
+
+async fn waiting_duplicates_get_the_replay(kind: &str) {
+    let Some(app) = app(
+        kind,
+        Duration::from_millis(50),
+        0,
+        Some(Duration::from_secs(2)),
+    )
+    .await
+    else {
+        return;
+    };
+    for trial in 0..3 {
+        let answers = double_clicks(&app.url, &format!("click-{trial}"), 16).await;
+        let created = answers.iter().filter(|a| a.0 == 201).count();
+        let replays = answers.iter().filter(|a| a.0 == 201 && a.1).count();
+        let conflicts = answers.iter().filter(|a| a.0 == 409).count();
+        assert_eq!(
+            (created, replays, conflicts),
+            (16, 15, 0),
+            "{kind} trial {trial}: {answers:?}"
+        );
+    }
+    assert_eq!(app.runs.load(Ordering::SeqCst), 3, "one execution per key");
+}
+
+#[tokio::test]
+async fn waiting_duplicates_get_the_replay_sqlite() {
+    waiting_duplicates_get_the_replay("sqlite").await;
+}
+
+#[tokio::test]
+async fn waiting_duplicates_get_the_replay_postgres() {
+    waiting_duplicates_get_the_replay("postgres").await;
+}
+
+async fn the_wait_is_bounded(kind: &str) {
+    let bound = Duration::from_millis(200);
+    let Some(app) = app(kind, Duration::from_millis(900), 0, Some(bound)).await else {
+        return;
+    };
+    let url = app.url.clone();
+    let original = tokio::spawn(async move { double_clicks(&url, "slow", 1).await });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let duplicate = double_clicks(&app.url, "slow", 1).await[0];
+    assert_eq!(duplicate.0, 409, "{duplicate:?}");
+    assert!(duplicate.2 >= bound, "waited {:?}", duplicate.2);
+    assert!(
+        duplicate.2 < bound + Duration::from_millis(400),
+        "waited {:?}",
+        duplicate.2
+    );
+    assert_eq!(original.await.unwrap()[0].0, 201);
+}
+
+#[tokio::test]
+async fn the_wait_is_bounded_sqlite() {
+    the_wait_is_bounded("sqlite").await;
+}
+
+#[tokio::test]
+async fn the_wait_is_bounded_postgres() {
+    the_wait_is_bounded("postgres").await;
+}
+
+async fn a_released_key_is_run_by_the_waiting_duplicate(kind: &str) {
+    let Some(app) = app(
+        kind,
+        Duration::from_millis(100),
+        1,
+        Some(Duration::from_secs(2)),
+    )
+    .await
+    else {
+        return;
+    };
+    let url = app.url.clone();
+    let original = tokio::spawn(async move { double_clicks(&url, "flaky", 1).await });
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    let duplicate = double_clicks(&app.url, "flaky", 1).await[0];
+    assert_eq!(original.await.unwrap()[0].0, 500);
+    // The key was released after the 500: the waiting duplicate reserved it and ran.
+    assert_eq!((duplicate.0, duplicate.1), (201, false), "{duplicate:?}");
+    assert_eq!(app.runs.load(Ordering::SeqCst), 2);
+}
+
+#[tokio::test]
+async fn a_released_key_is_run_by_the_waiting_duplicate_sqlite() {
+    a_released_key_is_run_by_the_waiting_duplicate("sqlite").await;
+}
+
+#[tokio::test]
+async fn a_released_key_is_run_by_the_waiting_duplicate_postgres() {
+    a_released_key_is_run_by_the_waiting_duplicate("postgres").await;
+}
+
+/// Without waiting, the 409's `Retry-After-Ms` is the operation's usual duration, and the
+/// client's retries land just after the original: no second-long pause.
+async fn the_millisecond_hint_shortens_the_retry(kind: &str) {
+    let Some(app) = app(kind, Duration::from_millis(50), 0, None).await else {
+        return;
+    };
+    // Executions teach the layer how long the operation takes (the median of the last ones, so
+    // a cold first request does not count for much).
+    for warm_up in ["warm-up-1", "warm-up-2", "warm-up-3"] {
+        assert_eq!(double_clicks(&app.url, warm_up, 1).await[0].0, 201);
+    }
+    let raw = {
+        let url = app.url.clone();
+        let original = tokio::spawn(async move { double_clicks(&url, "raw", 1).await });
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        let response = reqwest::Client::new()
+            .post(format!("{}/work", app.url))
+            .header("idempotency-key", "raw")
+            .header("content-type", "application/json")
+            .body(r#"{"amount": 5}"#)
+            .send()
+            .await
+            .unwrap();
+        original.await.unwrap();
+        response
+    };
+    assert_eq!(raw.status(), 409);
+    assert_eq!(raw.headers()["retry-after"], "1");
+    let millis: u64 = raw.headers()["retry-after-ms"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((10..=200).contains(&millis), "Retry-After-Ms: {millis}");
+
+    let client = client(RetryPolicy::default());
+    let started = Instant::now();
+    let copies = (0..8).map(|_| {
+        client
+            .post(format!("{}/work", app.url))
+            .header("content-type", "application/json")
+            .body(r#"{"amount": 5}"#)
+            .with_extension(RequestKey::Use("hinted".into()))
+            .send()
+    });
+    let answers = futures_util::future::join_all(copies).await;
+    let elapsed = started.elapsed();
+    let mut retried = 0;
+    for answer in &answers {
+        let response = answer.as_ref().unwrap();
+        assert_eq!(response.status(), 201);
+        let outcome = Outcome::of(response).unwrap();
+        if outcome.attempt_count() > 1 {
+            retried += 1;
+            let hint = outcome.attempts[0].retry_after.unwrap();
+            assert!(hint < Duration::from_millis(500), "{outcome:?}");
+        }
+    }
+    assert!(retried >= 1, "some copies met the original in flight");
+    assert!(elapsed < Duration::from_millis(900), "{elapsed:?}");
+    assert_eq!(app.runs.load(Ordering::SeqCst), 5);
+}
+
+#[tokio::test]
+async fn the_millisecond_hint_shortens_the_retry_sqlite() {
+    the_millisecond_hint_shortens_the_retry("sqlite").await;
+}
+
+#[tokio::test]
+async fn the_millisecond_hint_shortens_the_retry_postgres() {
+    the_millisecond_hint_shortens_the_retry("postgres").await;
+}
+
+#[tokio::test]
+async fn key_reused_with_the_real_layer() {
+    let app = app("sqlite", Duration::ZERO, 0, None).await.unwrap();
+    let client = client(RetryPolicy::default());
+    let send = |amount: u32| {
+        client
+            .post(format!("{}/work", app.url))
+            .header("content-type", "application/json")
+            .body(format!(r#"{{"amount": {amount}}}"#))
+            .with_extension(RequestKey::Use("same-key".into()))
+            .send()
+    };
+    assert_eq!(send(5).await.unwrap().status(), 201);
+    let replay = send(5).await.unwrap();
+    assert!(Outcome::of(&replay).unwrap().replayed);
+    let error = send(6).await.unwrap_err();
+    let Some(IdempotencyError::KeyReused { key, outcome, .. }) =
+        IdempotencyError::from_error(&error)
+    else {
+        panic!("expected KeyReused: {error}");
+    };
+    assert_eq!(key.as_deref(), Some("same-key"));
+    assert_eq!(outcome.attempt_count(), 1);
+    assert_eq!(app.runs.load(Ordering::SeqCst), 1);
+}
+
+/// PostgreSQL's `notify_settled` reaches a `LISTEN`er with the key's payload.
+#[tokio::test]
+async fn postgres_notify_settled_reaches_a_listener() {
+    use idempotency::{
+        store::postgres::{completion_payload, COMPLETION_CHANNEL},
+        IdempotencyKey,
+    };
+    let Some(url) = test_support::fresh_postgres_url().await else {
+        eprintln!("SKIPPED: TEST_POSTGRES_URL is not set");
+        return;
+    };
+    let store = PgStore::connect(&url).await.unwrap();
+    let mut listener = sqlx::postgres::PgListener::connect(&url).await.unwrap();
+    listener.listen(COMPLETION_CHANNEL).await.unwrap();
+    let key = IdempotencyKey::new("alice", "pay", "k-1").unwrap();
+    store.notify_settled(&key).await.unwrap();
+    let notification = tokio::time::timeout(Duration::from_secs(5), listener.recv())
+        .await
+        .expect("a notification")
+        .unwrap();
+    assert_eq!(notification.payload(), completion_payload(&key));
+}
+
+/// Two instances of the service on one database (two pools, two layers, as two processes would
+/// be): duplicates sent to the second wait for the original running on the first, woken by
+/// `NOTIFY` on PostgreSQL and by polling on SQLite.
+async fn duplicates_on_another_instance_wait_too(kind: &str) {
+    let wait = Some(Duration::from_secs(2));
+    let delay = Duration::from_millis(50);
+    let (first, second, _file) = match kind {
+        "sqlite" => {
+            let file = test_support::fresh_sqlite();
+            let a = app_on(
+                SqliteStore::connect(&file.url).await.unwrap(),
+                delay,
+                0,
+                wait,
+            )
+            .await;
+            let b = app_on(
+                SqliteStore::connect(&file.url).await.unwrap(),
+                delay,
+                0,
+                wait,
+            )
+            .await;
+            (a, b, Some(file))
+        }
+        _ => {
+            let Some(url) = test_support::fresh_postgres_url().await else {
+                eprintln!("SKIPPED: TEST_POSTGRES_URL is not set");
+                return;
+            };
+            let a = app_on(PgStore::connect(&url).await.unwrap(), delay, 0, wait).await;
+            let b = app_on(PgStore::connect(&url).await.unwrap(), delay, 0, wait).await;
+            (a, b, None)
+        }
+    };
+    for trial in 0..3 {
+        let key = format!("cross-{trial}");
+        let original = {
+            let (url, key) = (first.0.clone(), key.clone());
+            tokio::spawn(async move { double_clicks(&url, &key, 1).await })
+        };
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        let duplicates = double_clicks(&second.0, &key, 8).await;
+        let original = original.await.unwrap()[0];
+        assert_eq!((original.0, original.1), (201, false), "{kind}");
+        assert!(
+            duplicates.iter().all(|d| d.0 == 201 && d.1),
+            "{kind}: {duplicates:?}"
+        );
+    }
+    assert_eq!(first.1.load(Ordering::SeqCst), 3);
+    assert_eq!(second.1.load(Ordering::SeqCst), 0);
+    first.2.abort();
+    second.2.abort();
+}
+
+#[tokio::test]
+async fn duplicates_on_another_instance_wait_too_sqlite() {
+    duplicates_on_another_instance_wait_too("sqlite").await;
+}
+
+#[tokio::test]
+async fn duplicates_on_another_instance_wait_too_postgres() {
+    duplicates_on_another_instance_wait_too("postgres").await;
+}

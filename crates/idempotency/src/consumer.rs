@@ -1,0 +1,826 @@
+//! Queue consumers: exactly-once **effects** on at-least-once **delivery**, for any broker.
+//!
+//! A broker redelivers a message when a consumer dies before acknowledging it, when a publisher
+//! retries, or when a job is re-queued. A [`Consumer`] runs the message's work under the
+//! idempotency key `(scope, message type, message id)` with [`Idempotency::run`]: the work and the
+//! key's completion commit in one transaction, so the effect happens once however many copies
+//! arrive, and the answer is a [`Decision`] the transport turns into an ack, a requeue or a
+//! dead-letter. Acknowledge only once `handle` returned: the business transaction has then
+//! committed (or rolled back), so a crash before the ack costs a redelivery, which is acked as
+//! a replay.
+//!
+//! | what happened | [`Decision`] | the key |
+//! |---|---|---|
+//! | the work ran and committed | `Ack { replayed: false }` | completed |
+//! | an earlier copy completed (same payload) | `Ack { replayed: true }` | completed |
+//! | another copy is running now, and completes within [`with_in_progress_wait`](Consumer::with_in_progress_wait) | `Ack { replayed: true }` | completed |
+//! | another copy is running now, and still is after the wait | `RetryLater { delay }` | pending (theirs) |
+//! | the same id with another payload | `DeadLetter(PayloadMismatch)` | untouched; never applied |
+//! | the work failed ([`FailureKind::Transient`], a panic) | `Retry { delay, .. }`, with backoff | released; the failure is counted |
+//! | … for the [`max_failures`](Consumer::with_max_failures)-th time (poison) | `DeadLetter(Poison)` | released; counted |
+//! | the work failed for good ([`FailureKind::Definitive`]) | `DeadLetter(Definitive)` | released |
+//! | a dependency is down ([`FailureKind::Unavailable`], the store unreachable) | `Retry { delay, .. }` | released; not counted |
+//! | the key is parked as *needs review* | `DeadLetter(NeedsReview)` | needs review |
+//!
+//! # Counting failures
+//!
+//! Brokers do not agree on a delivery count (a RabbitMQ classic queue only says *redelivered*,
+//! Kafka says nothing), so the consumer counts failed attempts itself, in the key table, with the
+//! [`Store`] methods alone: the `n`-th failure of a message completes a **failure record**, a row
+//! whose key is the message's with the operation `"{message type}#failure-{n}"` and whose stored
+//! result holds the error. A failed message's own key is released (a redelivery must be able to
+//! run it again), so its row cannot hold the count. The records are inserted under the key
+//! table's unique constraint, so copies failing at the same time count twice, never once; they
+//! expire and are purged with the keys (retention, default 24 h). A message re-driven from a
+//! dead-letter queue after `max_failures` gets one more attempt per delivery. Deliveries that
+//! found the key in progress are not failures and are not counted; a process that dies inside
+//! the work is not counted either (use the broker's own limit, such as RabbitMQ's quorum-queue
+//! `x-delivery-limit`, as a backstop for messages that crash the process).
+//!
+//! ```
+//! # #[cfg(feature = "sqlite")]
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! use idempotency::consumer::{Consumer, DeadLetter, Decision, Message};
+//! use idempotency::{store::{sqlite::SqliteStore, Store}, Idempotency};
+//!
+//! let store = SqliteStore::connect("sqlite::memory:").await?;
+//! store.migrate().await?;
+//! sqlx::query("CREATE TABLE shipments (order_id TEXT NOT NULL)").execute(store.pool()).await?;
+//! let consumer = Consumer::new(Idempotency::new(store.clone())).with_max_failures(5);
+//!
+//! // The broker delivers the same message twice (a consumer died before its ack).
+//! let body = br#"{"order": "o-1", "items": 2}"#;
+//! for _ in 0..2 {
+//!     let message = Message::json_bytes("shipping", "order.paid", "msg-0001", body)?;
+//!     let decision = consumer
+//!         .handle(&message, |tx| Box::pin(async move {
+//!             sqlx::query("INSERT INTO shipments (order_id) VALUES ('o-1')").execute(&mut **tx).await?;
+//!             Ok::<_, sqlx::Error>(())
+//!         }))
+//!         .await;
+//!     assert!(decision.is_ack()); // executed, then replayed: ack both
+//! }
+//! let shipped: i64 = sqlx::query_scalar("SELECT count(*) FROM shipments").fetch_one(store.pool()).await?;
+//! assert_eq!(shipped, 1);
+//!
+//! // The same id with another body is a producer's bug: dead-letter it, never apply it.
+//! let other = Message::json_bytes("shipping", "order.paid", "msg-0001", br#"{"order": "o-2"}"#)?;
+//! let decision = consumer.handle(&other, |_tx| Box::pin(async { Ok::<_, sqlx::Error>(()) })).await;
+//! assert_eq!(decision, Decision::DeadLetter(DeadLetter::PayloadMismatch));
+//! # Ok(()) }
+//! # #[cfg(not(feature = "sqlite"))]
+//! # fn main() {}
+//! ```
+
+use crate::{
+    error::{Error, StoreError},
+    key::{InvalidKey, MAX_PART_LEN},
+    operation::Operation,
+    protocol::{AfterError, Attempt, Idempotency, PerformError},
+    steps::StepError,
+    store::{Awaited, Effects, Insertion, KeyState, LeaseToken, PendingRow, Store},
+    Fingerprint, IdempotencyKey,
+};
+use futures_util::{future::BoxFuture, FutureExt};
+use serde::{de::DeserializeOwned, Serialize};
+use std::{any::Any, fmt, panic::AssertUnwindSafe, time::Duration};
+
+/// What a failure record's operation adds to the message type: `#failure-` and up to 10 digits.
+const FAILURE_SUFFIX_MAX: usize = "#failure-".len() + 10;
+
+/// The longest message type a consumer accepts, so that its failure records' operation fits in
+/// [`MAX_PART_LEN`].
+pub const MAX_MESSAGE_TYPE_LEN: usize = MAX_PART_LEN - FAILURE_SUFFIX_MAX;
+
+/// The longest error text kept in a failure record or a [`Decision`].
+const MAX_REASON_CHARS: usize = 1000;
+
+/// How many times a failure record is tried again when the row it met vanished meanwhile.
+const RECORD_ATTEMPTS: u32 = 8;
+
+/// One delivered message, as the idempotency key and fingerprint it is checked under.
+///
+/// * `scope`: who consumes it, e.g. the queue or the consumer group (two groups that both apply
+///   a message each get their own key);
+/// * `message_type`: what it asks for (`"order.paid"`), the key's operation;
+/// * `id`: the message id the producer chose once and reuses on every resend (1..=255 printable
+///   ASCII characters);
+/// * the payload's fingerprint: canonical JSON for JSON payloads (key order and whitespace do not
+///   matter), the bytes as they are otherwise. The same id with another payload is dead-lettered.
+///
+/// ```
+/// use idempotency::consumer::Message;
+/// let a = Message::json_bytes("billing", "invoice.send", "m-1", br#"{"a": 1, "b": 2}"#)?;
+/// let b = Message::json("billing", "invoice.send", "m-1", &serde_json::json!({"b": 2, "a": 1}))?;
+/// assert_eq!(a.fingerprint(), b.fingerprint());
+/// assert_eq!(a.key().to_string(), "billing/invoice.send/m-1");
+/// # Ok::<(), idempotency::consumer::InvalidMessage>(())
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Message {
+    key: IdempotencyKey,
+    fingerprint: Fingerprint,
+}
+
+impl Message {
+    /// A message whose payload is a serialisable value, fingerprinted as canonical JSON.
+    pub fn json<T: Serialize>(
+        scope: &str,
+        message_type: &str,
+        id: &str,
+        payload: &T,
+    ) -> Result<Self, InvalidMessage> {
+        let fingerprint = Fingerprint::of_json(payload).map_err(InvalidMessage::Json)?;
+        Self::with_fingerprint(scope, message_type, id, fingerprint)
+    }
+
+    /// A message whose payload is a JSON document as delivered, fingerprinted as canonical JSON;
+    /// fails if the bytes are not JSON.
+    pub fn json_bytes(
+        scope: &str,
+        message_type: &str,
+        id: &str,
+        payload: &[u8],
+    ) -> Result<Self, InvalidMessage> {
+        let fingerprint = Fingerprint::of_json_bytes(payload).map_err(InvalidMessage::Json)?;
+        Self::with_fingerprint(scope, message_type, id, fingerprint)
+    }
+
+    /// A message whose payload is opaque bytes (protobuf, Avro …), fingerprinted as they are.
+    pub fn bytes(
+        scope: &str,
+        message_type: &str,
+        id: &str,
+        payload: &[u8],
+    ) -> Result<Self, InvalidMessage> {
+        Self::with_fingerprint(scope, message_type, id, Fingerprint::of_bytes(payload))
+    }
+
+    /// A message with a fingerprint computed by the caller (for example over a payload and
+    /// selected headers, with [`Fingerprint::builder`]).
+    pub fn with_fingerprint(
+        scope: &str,
+        message_type: &str,
+        id: &str,
+        fingerprint: Fingerprint,
+    ) -> Result<Self, InvalidMessage> {
+        if message_type.len() > MAX_MESSAGE_TYPE_LEN {
+            return Err(InvalidMessage::TypeTooLong {
+                len: message_type.len(),
+            });
+        }
+        Ok(Self {
+            key: IdempotencyKey::new(scope, message_type, id)?,
+            fingerprint,
+        })
+    }
+
+    /// The idempotency key: `(scope, message type, id)`.
+    pub fn key(&self) -> &IdempotencyKey {
+        &self.key
+    }
+
+    /// The payload's fingerprint.
+    pub fn fingerprint(&self) -> Fingerprint {
+        self.fingerprint
+    }
+}
+
+/// Why a [`Message`] could not be made. A transport dead-letters such a delivery: no redelivery
+/// can fix it.
+///
+/// ```
+/// use idempotency::consumer::{InvalidMessage, Message};
+/// let error = Message::json_bytes("q", "t", "m-1", b"not json").unwrap_err();
+/// assert!(matches!(error, InvalidMessage::Json(_)));
+/// ```
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum InvalidMessage {
+    /// The scope, type or id is empty, too long or holds forbidden characters.
+    #[error(transparent)]
+    Key(#[from] InvalidKey),
+    /// The message type is longer than [`MAX_MESSAGE_TYPE_LEN`] bytes.
+    #[error("the message type is {len} bytes long; a consumer accepts at most {max}", max = MAX_MESSAGE_TYPE_LEN)]
+    TypeTooLong {
+        /// Its length in bytes.
+        len: usize,
+    },
+    /// The payload was declared JSON and is not.
+    #[error("the payload is not JSON: {0}")]
+    Json(#[source] serde_json::Error),
+}
+
+/// What the transport should do with a delivery, as [`Consumer::handle`] decided it.
+///
+/// ```
+/// use idempotency::consumer::Decision;
+/// use std::time::Duration;
+/// let decision = Decision::RetryLater { delay: Duration::from_millis(200) };
+/// assert!(!decision.is_ack());
+/// assert_eq!(decision.delay(), Some(Duration::from_millis(200)));
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Decision {
+    /// Acknowledge: the effect is committed, by this delivery or (`replayed`) an earlier one.
+    Ack {
+        /// Whether an earlier delivery had already applied the message.
+        replayed: bool,
+    },
+    /// Another delivery of the same message is being processed right now: deliver this one again
+    /// after `delay` (it will then be acked as a replay, or run if the other one failed).
+    RetryLater {
+        /// How long to wait before the redelivery.
+        delay: Duration,
+    },
+    /// The work failed and nothing was applied (the key was released): deliver the message again
+    /// after `delay`.
+    Retry {
+        /// How long to wait before the redelivery (backoff grows with the recorded failures).
+        delay: Duration,
+        /// What failed.
+        reason: String,
+    },
+    /// Never deliver this message again to this consumer: route it to the dead-letter queue.
+    DeadLetter(DeadLetter),
+}
+
+impl Decision {
+    /// Whether the delivery should be acknowledged.
+    pub fn is_ack(&self) -> bool {
+        matches!(self, Decision::Ack { .. })
+    }
+
+    /// How long to wait before a redelivery, for `RetryLater` and `Retry`.
+    pub fn delay(&self) -> Option<Duration> {
+        match self {
+            Decision::RetryLater { delay } | Decision::Retry { delay, .. } => Some(*delay),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for Decision {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Decision::Ack { replayed: false } => f.write_str("ack (executed)"),
+            Decision::Ack { replayed: true } => f.write_str("ack (replayed)"),
+            Decision::RetryLater { delay } => write!(f, "retry after {delay:?} (in progress)"),
+            Decision::Retry { delay, reason } => write!(f, "retry after {delay:?}: {reason}"),
+            Decision::DeadLetter(why) => write!(f, "dead-letter: {why}"),
+        }
+    }
+}
+
+/// Why a message is dead-lettered. [`code`](Self::code) is a stable name for a header or a
+/// metric; `Display` is the reason for a human.
+///
+/// ```
+/// use idempotency::consumer::DeadLetter;
+/// let poison = DeadLetter::Poison { failures: 5, last_error: "timeout".into() };
+/// assert_eq!(poison.code(), "poison");
+/// assert_eq!(poison.to_string(), "the work failed 5 times; last: timeout");
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum DeadLetter {
+    /// The id was used before with another payload: a producer's bug, not a redelivery. The
+    /// payload was not applied.
+    PayloadMismatch,
+    /// The work failed [`max_failures`](Consumer::with_max_failures) times (a poison message).
+    Poison {
+        /// Failures recorded for the message.
+        failures: u32,
+        /// The last one.
+        last_error: String,
+    },
+    /// The work failed in a way no redelivery can fix ([`FailureKind::Definitive`]).
+    Definitive(String),
+    /// The message's key is parked as *needs review*: an outside effect may or may not have
+    /// happened, and an operator must settle it (`idem keys resolve`) before a redelivery can be
+    /// acked or run.
+    NeedsReview(Option<String>),
+    /// The message cannot be checked at all (malformed key or payload, a request that cannot be
+    /// stored).
+    Invalid(String),
+}
+
+impl DeadLetter {
+    /// A stable name: `payload-mismatch`, `poison`, `definitive`, `needs-review` or `invalid`.
+    pub fn code(&self) -> &'static str {
+        match self {
+            DeadLetter::PayloadMismatch => "payload-mismatch",
+            DeadLetter::Poison { .. } => "poison",
+            DeadLetter::Definitive(_) => "definitive",
+            DeadLetter::NeedsReview(_) => "needs-review",
+            DeadLetter::Invalid(_) => "invalid",
+        }
+    }
+}
+
+impl fmt::Display for DeadLetter {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DeadLetter::PayloadMismatch => {
+                f.write_str("the message id was already used with another payload")
+            }
+            DeadLetter::Poison {
+                failures,
+                last_error,
+            } => write!(f, "the work failed {failures} times; last: {last_error}"),
+            DeadLetter::Definitive(error) => write!(f, "the work failed for good: {error}"),
+            DeadLetter::NeedsReview(Some(reason)) => {
+                write!(f, "the message's key needs review: {reason}")
+            }
+            DeadLetter::NeedsReview(None) => f.write_str("the message's key needs review"),
+            DeadLetter::Invalid(error) => write!(f, "invalid message: {error}"),
+        }
+    }
+}
+
+/// How a failed work's error should be treated; see [`Consumer::handle_with`].
+///
+/// ```
+/// use idempotency::consumer::FailureKind;
+/// let classify = |e: &std::io::Error| match e.kind() {
+///     std::io::ErrorKind::InvalidData => FailureKind::Definitive,
+///     std::io::ErrorKind::ConnectionRefused => FailureKind::Unavailable,
+///     _ => FailureKind::Transient,
+/// };
+/// assert_eq!(classify(&std::io::ErrorKind::InvalidData.into()), FailureKind::Definitive);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FailureKind {
+    /// May succeed on a redelivery: [`Decision::Retry`] with backoff, counted toward
+    /// [`max_failures`](Consumer::with_max_failures).
+    Transient,
+    /// No redelivery can succeed (a business rule refuses the message): dead-lettered at once.
+    Definitive,
+    /// Something the message does not depend on is down (a database, a service): retried and
+    /// **not** counted, so an outage does not dead-letter healthy messages.
+    Unavailable,
+}
+
+/// Runs messages' work at most once per `(scope, message type, id)` and says what to do with
+/// each delivery. Cheap to clone; share one per queue.
+///
+/// See the [module documentation](self) for the decisions and how failures are counted.
+#[derive(Debug, Clone)]
+pub struct Consumer<S> {
+    engine: Idempotency<S>,
+    max_failures: u32,
+    retry_delay: Duration,
+    max_retry_delay: Duration,
+    in_progress_wait: Duration,
+}
+
+impl<S: Store> Consumer<S> {
+    /// A consumer on `engine` (its lease, retention and step policy apply), dead-lettering a
+    /// message after 5 failures, retrying after 1 s, then 2 s, 4 s … up to 60 s, and waiting up
+    /// to 1 s for a copy of the message in progress elsewhere.
+    pub fn new(engine: Idempotency<S>) -> Self {
+        Self {
+            engine,
+            max_failures: 5,
+            retry_delay: Duration::from_secs(1),
+            max_retry_delay: Duration::from_secs(60),
+            in_progress_wait: Duration::from_secs(1),
+        }
+    }
+
+    /// After how many failed attempts a message is dead-lettered as poison (default 5; at least
+    /// 1, which dead-letters on the first failure).
+    pub fn with_max_failures(mut self, max_failures: u32) -> Self {
+        self.max_failures = max_failures.max(1);
+        self
+    }
+
+    /// The delay of the first [`Decision::Retry`] (default 1 s); it doubles with every recorded
+    /// failure, up to [`with_max_retry_delay`](Self::with_max_retry_delay).
+    pub fn with_retry_delay(mut self, delay: Duration) -> Self {
+        self.retry_delay = delay;
+        self
+    }
+
+    /// The longest [`Decision::Retry`] delay (default 60 s).
+    pub fn with_max_retry_delay(mut self, delay: Duration) -> Self {
+        self.max_retry_delay = delay;
+        self
+    }
+
+    /// How long a delivery that finds its message in progress elsewhere waits for that copy
+    /// ([`Store::wait_for_completion`]) before it answers [`Decision::RetryLater`] (default
+    /// 1 s): when the other copy completes meanwhile, the delivery is acked as a replay at once,
+    /// without a trip back through the broker. `Duration::ZERO` answers `RetryLater` at once
+    /// (for a transport that can delay a message without holding it).
+    pub fn with_in_progress_wait(mut self, wait: Duration) -> Self {
+        self.in_progress_wait = wait;
+        self
+    }
+
+    /// The engine.
+    pub fn engine(&self) -> &Idempotency<S> {
+        &self.engine
+    }
+
+    /// The poison threshold.
+    pub fn max_failures(&self) -> u32 {
+        self.max_failures
+    }
+
+    /// Runs `work` for `message` in the business transaction, at most once per message key, and
+    /// decides what to do with the delivery. Every error of the work is
+    /// [`FailureKind::Transient`]; see [`handle_with`](Self::handle_with) to classify them.
+    ///
+    /// The work's result is stored with the key, as with [`Idempotency::run`]. A business refusal
+    /// that should be acknowledged (the order no longer exists) is a *result*: return
+    /// `Ok(refusal)`, not an error.
+    pub async fn handle<R, E, F>(&self, message: &Message, work: F) -> Decision
+    where
+        R: Serialize + DeserializeOwned + Send,
+        E: fmt::Display + Send,
+        F: for<'t> FnOnce(
+                &'t mut sqlx::Transaction<'static, S::Database>,
+            ) -> BoxFuture<'t, Result<R, E>>
+            + Send,
+    {
+        self.handle_with(message, |_| FailureKind::Transient, work)
+            .await
+    }
+
+    /// Like [`handle`](Self::handle), with `classify` deciding what a failed work's error means:
+    /// retry and count it, dead-letter now, or retry without counting.
+    pub async fn handle_with<R, E, F, C>(&self, message: &Message, classify: C, work: F) -> Decision
+    where
+        R: Serialize + DeserializeOwned + Send,
+        E: fmt::Display + Send,
+        F: for<'t> FnOnce(
+                &'t mut sqlx::Transaction<'static, S::Database>,
+            ) -> BoxFuture<'t, Result<R, E>>
+            + Send,
+        C: FnOnce(&E) -> FailureKind + Send,
+    {
+        let attempt = Attempt::new(message.key.clone(), message.fingerprint);
+        // A failed work's key is always released (nothing was committed); the failure is counted
+        // afterwards, by `failed`. A panic is caught here so that it counts as a failure instead
+        // of taking the consumer down; `run_with` has released the key before re-raising it.
+        let ran = AssertUnwindSafe(
+            self.engine
+                .run_with(&attempt, |_| AfterError::Release, work),
+        )
+        .catch_unwind()
+        .await;
+        match ran {
+            Ok(Ok(outcome)) => Decision::Ack {
+                replayed: outcome.is_replayed(),
+            },
+            Ok(Err(Error::Operation(error))) => {
+                let kind = classify(&error);
+                self.failed(&message.key, message.fingerprint, kind, &error.to_string())
+                    .await
+            }
+            Ok(Err(Error::Serialization(error))) => self.unserialisable(&message.key, &error).await,
+            Ok(Err(refused)) => {
+                self.refused(&message.key, message.fingerprint, refused)
+                    .await
+            }
+            Err(panic) => {
+                let reason = format!("the work panicked: {}", panic_message(&*panic));
+                self.failed(
+                    &message.key,
+                    message.fingerprint,
+                    FailureKind::Transient,
+                    &reason,
+                )
+                .await
+            }
+        }
+    }
+
+    /// Runs the durable operation `operation` for the message `id` in `scope`, whose payload is
+    /// `request` ([`Idempotency::perform`]: its steps may call outside services), and decides what
+    /// to do with the delivery. The message type is the operation's name.
+    ///
+    /// An operation whose outside outcome is unknown stays pending and is carried on by the
+    /// [`MaintenanceWorker`](crate::worker::MaintenanceWorker) (with the operation registered in
+    /// its [`Operations`](crate::Operations)) or by the next delivery: the delivery is
+    /// [`RetryLater`](Decision::RetryLater), and is acked once the operation has settled. A
+    /// settled failure ([`Steps::fail`](crate::Steps::fail)) is stored and acked like a success:
+    /// it was compensated and will not change.
+    pub async fn perform<O: Operation<S>>(
+        &self,
+        scope: &str,
+        id: &str,
+        operation: &O,
+        request: &O::Request,
+    ) -> Decision {
+        // Fingerprinted here first, so that a serialisation error from `perform` can only be a
+        // stored response this version cannot read (see `unserialisable`).
+        let message = match Message::json(scope, operation.name(), id, request) {
+            Ok(message) => message,
+            Err(error) => return Decision::DeadLetter(DeadLetter::Invalid(error.to_string())),
+        };
+        let key = &message.key;
+        let performed = AssertUnwindSafe(self.engine.perform(operation, scope, id, request))
+            .catch_unwind()
+            .await;
+        let error = match performed {
+            Ok(Ok(outcome)) => {
+                return Decision::Ack {
+                    replayed: outcome.is_replayed(),
+                }
+            }
+            Ok(Err(error)) => error,
+            Err(panic) => {
+                let reason = format!("the operation panicked: {}", panic_message(&*panic));
+                return self
+                    .failed(key, message.fingerprint, FailureKind::Transient, &reason)
+                    .await;
+            }
+        };
+        match error {
+            PerformError::Reserve(Error::Serialization(error)) => {
+                self.unserialisable(key, &error).await
+            }
+            PerformError::Reserve(refused) => self.refused(key, message.fingerprint, refused).await,
+            PerformError::Released(error) => {
+                let kind = match &error {
+                    StepError::Store(e) if e.is_unavailable() => FailureKind::Unavailable,
+                    StepError::RequestTooLarge { .. }
+                    | StepError::Serialization(_)
+                    | StepError::Declined { .. } => FailureKind::Definitive,
+                    _ => FailureKind::Transient,
+                };
+                self.failed(key, message.fingerprint, kind, &error.to_string())
+                    .await
+            }
+            PerformError::Pending { retry_after, .. } => {
+                Decision::RetryLater { delay: retry_after }
+            }
+            PerformError::Parked { reason } => {
+                Decision::DeadLetter(DeadLetter::NeedsReview(Some(reason)))
+            }
+            // Another holder carries it on, or the key is resumed once its lease ends.
+            _ => Decision::RetryLater {
+                delay: self.retry_delay,
+            },
+        }
+    }
+
+    /// How many failures are recorded for `message` (failure records not yet purged), up to
+    /// [`max_failures`](Self::max_failures).
+    pub async fn recorded_failures(&self, message: &Message) -> Result<u32, StoreError> {
+        let mut failures = 0;
+        while failures < self.max_failures {
+            let record = failure_key(&message.key, failures + 1)?;
+            if self.engine.store().find(&record).await?.is_none() {
+                break;
+            }
+            failures += 1;
+        }
+        Ok(failures)
+    }
+
+    /// The work failed (its transaction rolled back, the key released): count it when it is
+    /// transient, and decide.
+    async fn failed(
+        &self,
+        key: &IdempotencyKey,
+        fingerprint: Fingerprint,
+        kind: FailureKind,
+        error: &str,
+    ) -> Decision {
+        let reason = bounded(error);
+        match kind {
+            FailureKind::Definitive => Decision::DeadLetter(DeadLetter::Definitive(reason)),
+            FailureKind::Unavailable => Decision::Retry {
+                delay: self.retry_delay,
+                reason,
+            },
+            FailureKind::Transient => match self.record_failure(key, fingerprint, &reason).await {
+                Ok(failures) if failures >= self.max_failures => {
+                    tracing::warn!(%key, failures, error = %reason, "poison message: dead-lettered");
+                    Decision::DeadLetter(DeadLetter::Poison {
+                        failures,
+                        last_error: reason,
+                    })
+                }
+                Ok(failures) => Decision::Retry {
+                    delay: backoff(self.retry_delay, self.max_retry_delay, failures),
+                    reason,
+                },
+                Err(error) => {
+                    tracing::warn!(%key, %error, "could not record a message's failure; it is retried uncounted");
+                    Decision::Retry {
+                        delay: self.retry_delay,
+                        reason,
+                    }
+                }
+            },
+        }
+    }
+
+    /// Records one more failure of the message `key`: completes the first free failure record
+    /// `1..=max_failures` and returns its number, or `max_failures` when all are taken.
+    async fn record_failure(
+        &self,
+        key: &IdempotencyKey,
+        fingerprint: Fingerprint,
+        reason: &str,
+    ) -> Result<u32, StoreError> {
+        let result = serde_json::to_vec(&serde_json::json!({ "error": reason }))
+            .map_err(|e| StoreError::Corrupt(e.to_string()))?;
+        let store = self.engine.store();
+        let mut number = 1;
+        let mut vanished = 0;
+        while number <= self.max_failures {
+            let record = failure_key(key, number)?;
+            let row = PendingRow {
+                key: &record,
+                fingerprint,
+                token: LeaseToken::new(),
+                effects: Effects::Local,
+                journaled: false,
+                lease: self.engine.lease(),
+                retention: self.engine.retention(),
+            };
+            match store.insert_pending(&row).await? {
+                Insertion::Inserted => {
+                    let mut tx = store.begin().await?;
+                    let completed = store
+                        .complete(&mut tx, &record, row.token, &result, row.retention)
+                        .await?;
+                    if completed {
+                        tx.commit().await?;
+                    }
+                    return Ok(number);
+                }
+                Insertion::Conflict(_) => number += 1,
+                Insertion::Vanished if vanished < RECORD_ATTEMPTS => vanished += 1,
+                Insertion::Vanished => return Err(StoreError::Contention(RECORD_ATTEMPTS)),
+            }
+        }
+        Ok(self.max_failures)
+    }
+
+    /// The reservation refused, or the store failed (or the work failed: then it is transient).
+    async fn refused<E: fmt::Display>(
+        &self,
+        key: &IdempotencyKey,
+        fingerprint: Fingerprint,
+        error: Error<E>,
+    ) -> Decision {
+        match error {
+            Error::KeyReused => Decision::DeadLetter(DeadLetter::PayloadMismatch),
+            Error::InProgress { retry_after } => {
+                self.in_progress(key, fingerprint, retry_after).await
+            }
+            Error::LeaseLost => Decision::RetryLater {
+                delay: self.retry_delay,
+            },
+            Error::NeedsReview => {
+                let reason = match self.engine.store().find(key).await {
+                    Ok(record) => record.and_then(|record| record.reason),
+                    Err(_) => None,
+                };
+                Decision::DeadLetter(DeadLetter::NeedsReview(reason))
+            }
+            Error::InvalidKey(error) => {
+                Decision::DeadLetter(DeadLetter::Invalid(error.to_string()))
+            }
+            Error::Store(error) => {
+                // The store being down is not the message's fault: retried, not counted. A store
+                // error about this key (a row this version cannot read) is counted, so that it
+                // ends in the dead-letter queue instead of looping.
+                if error.is_unavailable() {
+                    Decision::Retry {
+                        delay: self.retry_delay,
+                        reason: bounded(&error.to_string()),
+                    }
+                } else {
+                    let reason = error.to_string();
+                    self.failed(key, fingerprint, FailureKind::Transient, &reason)
+                        .await
+                }
+            }
+            Error::Serialization(error) => self.unserialisable(key, &error).await,
+            Error::Operation(error) => {
+                let reason = error.to_string();
+                self.failed(key, fingerprint, FailureKind::Transient, &reason)
+                    .await
+            }
+        }
+    }
+
+    /// Another copy holds the key: wait a little for it to complete (then this delivery is a
+    /// replay), else retry later.
+    async fn in_progress(
+        &self,
+        key: &IdempotencyKey,
+        fingerprint: Fingerprint,
+        retry_after: Duration,
+    ) -> Decision {
+        if self.in_progress_wait.is_zero() {
+            return Decision::RetryLater { delay: retry_after };
+        }
+        let store = self.engine.store();
+        match store
+            .wait_for_completion(key, &fingerprint, self.in_progress_wait)
+            .await
+        {
+            Ok(Awaited::Completed(_)) => Decision::Ack { replayed: true },
+            // Released, parked, or its lease ended: a new delivery decides, at once.
+            Ok(Awaited::Settled) => Decision::RetryLater {
+                delay: Duration::ZERO,
+            },
+            Ok(Awaited::TimedOut) | Err(_) => Decision::RetryLater { delay: retry_after },
+        }
+    }
+
+    /// A (de)serialisation error: either a completed key whose stored result this version cannot
+    /// read (the effect happened: ack), or a result that could not be serialised (nothing was
+    /// committed, and every redelivery would fail the same way: dead-letter). The row tells which.
+    async fn unserialisable(&self, key: &IdempotencyKey, error: &serde_json::Error) -> Decision {
+        match self.engine.store().find(key).await {
+            Ok(Some(record)) if record.state == KeyState::Completed => {
+                tracing::warn!(%key, %error, "stored result unreadable; the message was applied before: ack");
+                Decision::Ack { replayed: true }
+            }
+            Ok(_) => Decision::DeadLetter(DeadLetter::Definitive(format!(
+                "the work's result cannot be stored: {error}"
+            ))),
+            Err(store) => Decision::Retry {
+                delay: self.retry_delay,
+                reason: bounded(&store.to_string()),
+            },
+        }
+    }
+}
+
+/// The delay after the `failures`-th failure: `first × 2^(failures − 1)`, at most `max`.
+fn backoff(first: Duration, max: Duration, failures: u32) -> Duration {
+    let factor = 2u32.saturating_pow(failures.saturating_sub(1));
+    first.saturating_mul(factor).min(max)
+}
+
+/// The key of the `number`-th failure record of the message `key`.
+fn failure_key(key: &IdempotencyKey, number: u32) -> Result<IdempotencyKey, StoreError> {
+    IdempotencyKey::new(
+        key.scope(),
+        format!("{}#failure-{number}", key.operation()),
+        key.key(),
+    )
+    .map_err(|e| StoreError::Corrupt(format!("failure record key: {e}")))
+}
+
+/// `text`, cut to [`MAX_REASON_CHARS`] characters.
+fn bounded(text: &str) -> String {
+    match text.char_indices().nth(MAX_REASON_CHARS) {
+        Some((end, _)) => format!("{}…", &text[..end]),
+        None => text.to_owned(),
+    }
+}
+
+/// The message of a panic payload.
+fn panic_message(panic: &(dyn Any + Send)) -> String {
+    if let Some(text) = panic.downcast_ref::<&str>() {
+        (*text).to_owned()
+    } else if let Some(text) = panic.downcast_ref::<String>() {
+        text.clone()
+    } else {
+        "(no message)".to_owned()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_up_to_the_cap() {
+        let (first, max) = (Duration::from_millis(100), Duration::from_millis(500));
+        let delays: Vec<_> = [1, 2, 3, 4, 40].map(|n| backoff(first, max, n)).to_vec();
+        let ms = |ms| Duration::from_millis(ms);
+        assert_eq!(delays, [ms(100), ms(200), ms(400), ms(500), ms(500)]);
+    }
+
+    #[test]
+    fn failure_records_fit_the_key() {
+        let key = IdempotencyKey::new("q", "t".repeat(MAX_MESSAGE_TYPE_LEN), "m").unwrap();
+        assert!(failure_key(&key, u32::MAX).is_ok());
+        let long = "t".repeat(MAX_MESSAGE_TYPE_LEN + 1);
+        assert!(matches!(
+            Message::bytes("q", &long, "m", b""),
+            Err(InvalidMessage::TypeTooLong { .. })
+        ));
+    }
+
+    #[test]
+    fn reasons_are_bounded() {
+        assert_eq!(bounded("short"), "short");
+        let long = "é".repeat(MAX_REASON_CHARS + 5);
+        assert_eq!(bounded(&long).chars().count(), MAX_REASON_CHARS + 1);
+    }
+}
