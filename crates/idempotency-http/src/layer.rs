@@ -328,7 +328,9 @@ impl<S: Store> IdempotencyLayer<S> {
     /// Declares that the handler runs a durable operation through [`KeyLease`](crate::KeyLease)
     /// and [`Idempotency::perform_reserved`](idempotency::Idempotency::perform_reserved), so it
     /// makes no outside call before a recovery point is committed (default `false`). The
-    /// reservation is then not flushed on its own ([`Attempt::journaled`](idempotency::Attempt::journaled)).
+    /// reservation is then not flushed on its own ([`Attempt::journaled`](idempotency::Attempt::journaled)),
+    /// and an answer given before the handler took the lease (a rejected body, a failed check)
+    /// releases the key even with [`Effects::External`]: nothing can have gone out.
     ///
     /// ```no_run
     /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::store::postgres::PgStore>) {

@@ -376,6 +376,7 @@ where
         slot: LeaseSlot::new(lease),
         operation: op,
         effects: settings.effects,
+        journaled: settings.journaled,
     };
 
     // 2. Run the handler, with the (lazily begun) business transaction and the lease in the
@@ -576,6 +577,8 @@ struct HeldLease<'o, S: Store> {
     slot: LeaseSlot<S>,
     operation: &'o str,
     effects: Effects,
+    /// A durable operation's route: outside calls happen only under the lease the handler takes.
+    journaled: bool,
 }
 
 impl<S: Store> HeldLease<'_, S> {
@@ -598,11 +601,13 @@ impl<S: Store> HeldLease<'_, S> {
 
     /// After a failure that may have come after an outside effect: local work's key is
     /// released; external work's is never released by the layer, it stays pending for the
-    /// recovery job.
+    /// recovery job. On a journaled route (a durable operation) outside calls are made only
+    /// under the lease the handler takes: while the layer still holds it, nothing went out, and
+    /// the key is released (a handler that took it settles the key itself).
     async fn give_up(&mut self, why: &'static str) {
         match self.effects {
-            Effects::Local => self.release(why).await,
-            Effects::External => self.leave_pending(why),
+            Effects::External if !self.journaled => self.leave_pending(why),
+            _ => self.release(why).await,
         }
     }
 
