@@ -1,10 +1,15 @@
-//! A client that keeps retrying one logical purchase with the same key, as a real client must.
+//! A client that keeps retrying one logical purchase with the same key, as a real client must:
+//! the fault proof drives its purchases with `idempotency-client`, the crate users get.
 
+use idempotency_client::{
+    reqwest_middleware::ClientBuilder, IdempotencyMiddleware, Outcome, Probe, RetryPolicy,
+    IDEMPOTENCY_KEY,
+};
 use reqwest::StatusCode;
 use serde_json::Value;
 use std::{
     collections::{BTreeMap, BTreeSet},
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 /// How one logical operation ended, seen from the client.
@@ -48,9 +53,9 @@ impl OpReport {
 }
 
 /// POSTs `/purchases` until it is created, settled as failed (the definitive 502
-/// `payment-failed`), parked, or `limit` passes. Transport errors and other 5xx (the shop was
-/// killed, the database is restarting, the purchase is pending) are retried after a pause; 409
-/// after `Retry-After` (capped at 500 ms to keep the run short).
+/// `payment-failed`), parked, or `limit` passes, through [`idempotency_client`]: the same key on
+/// every attempt, transport errors and 502/503/504 retried with jittered backoff, 409 in
+/// progress and 503 `purchase-pending` after the shop's hint, and never a 400 or 422.
 pub async fn purchase_until_settled(
     http: &reqwest::Client,
     base_url: &str,
@@ -59,98 +64,74 @@ pub async fn purchase_until_settled(
     body: &Value,
     limit: Duration,
 ) -> OpReport {
+    let client = ClientBuilder::new(http.clone())
+        .with(IdempotencyMiddleware::new())
+        .build();
+    let policy = RetryPolicy::default()
+        .max_attempts(u32::MAX)
+        .deadline(limit)
+        .backoff(Duration::from_millis(20), Duration::from_millis(500));
+    let probe = Probe::new();
+    let sent = client
+        .post(format!("{base_url}/purchases"))
+        .header("X-User-Id", user)
+        .header(IDEMPOTENCY_KEY, key)
+        .json(body)
+        .timeout(Duration::from_secs(10))
+        .with_extension(policy)
+        .with_extension(probe.clone())
+        .send()
+        .await;
+    let outcome = match &sent {
+        Ok(response) => Outcome::of(response).cloned(),
+        Err(_) => None,
+    }
+    .unwrap_or_else(|| probe.outcome());
     let mut report = OpReport {
         user: user.to_owned(),
         key: key.to_owned(),
         settled: Settled::GaveUp("deadline".into()),
         purchase_ids: BTreeSet::new(),
         statuses: BTreeMap::new(),
-        replays: 0,
+        replays: usize::from(outcome.replayed),
         bare_5xx: 0,
     };
-    let deadline = Instant::now() + limit;
-    while Instant::now() < deadline {
-        let sent = http
-            .post(format!("{base_url}/purchases"))
-            .header("X-User-Id", user)
-            .header("Idempotency-Key", key)
-            .json(body)
-            .timeout(Duration::from_secs(10))
-            .send()
-            .await;
-        let response = match sent {
-            Ok(response) => response,
-            Err(_) => {
-                *report.statuses.entry(0).or_default() += 1;
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                continue;
-            }
-        };
-        let status = response.status();
-        *report.statuses.entry(status.as_u16()).or_default() += 1;
-        let replayed = response
-            .headers()
-            .get("idempotent-replayed")
-            .is_some_and(|v| v == "true");
-        let is_problem = response
-            .headers()
-            .get("content-type")
-            .is_some_and(|v| v.as_bytes().starts_with(b"application/problem+json"));
-        let retry_after = response
-            .headers()
-            .get("retry-after")
-            .and_then(|v| v.to_str().ok()?.parse::<u64>().ok())
-            .map(Duration::from_secs);
-        let json: Value = match response.bytes().await {
-            Ok(bytes) => serde_json::from_slice(&bytes).unwrap_or(Value::Null),
-            Err(_) => {
-                *report.statuses.entry(0).or_default() += 1;
-                continue;
-            }
-        };
-        match status {
-            StatusCode::CREATED | StatusCode::OK => {
-                if replayed {
-                    report.replays += 1;
-                }
-                if let Some(id) = json.get("purchase_id") {
-                    report.purchase_ids.insert(id.to_string());
-                }
-                report.settled = Settled::Created;
-                return report;
-            }
-            StatusCode::CONFLICT => {
-                let kind = json.get("type").and_then(Value::as_str).unwrap_or_default();
-                if kind.ends_with("needs-review") {
-                    report.settled = Settled::NeedsReview;
-                    return report;
-                }
-                let pause = retry_after.unwrap_or(Duration::from_millis(200));
-                tokio::time::sleep(pause.min(Duration::from_millis(500))).await;
-            }
-            StatusCode::BAD_GATEWAY
-                if json
-                    .get("type")
-                    .and_then(Value::as_str)
-                    .is_some_and(|t| t.ends_with("/payment-failed")) =>
-            {
-                if replayed {
-                    report.replays += 1;
-                }
-                report.settled = Settled::Failed;
-                return report;
-            }
-            s if s.is_server_error() => {
-                if !is_problem {
-                    report.bare_5xx += 1;
-                }
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-            other => {
-                report.settled = Settled::GaveUp(format!("{other}: {json}"));
-                return report;
-            }
+    for attempt in &outcome.attempts {
+        let status = attempt.result.status();
+        *report
+            .statuses
+            .entry(status.map_or(0, |s| s.as_u16()))
+            .or_default() += 1;
+        if status.is_some_and(|s| s.is_server_error()) && !attempt.problem_json {
+            report.bare_5xx += 1;
         }
     }
+    let response = match sent {
+        Ok(response) => response,
+        Err(error) => {
+            report.settled = Settled::GaveUp(format!("{error} after {:?}", outcome.stopped));
+            return report;
+        }
+    };
+    let status = response.status();
+    let json: Value = match response.bytes().await {
+        Ok(bytes) => serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+        Err(error) => {
+            report.settled = Settled::GaveUp(format!("reading the answer: {error}"));
+            return report;
+        }
+    };
+    let problem = json.get("type").and_then(Value::as_str).unwrap_or_default();
+    report.settled = match status {
+        StatusCode::CREATED | StatusCode::OK => {
+            if let Some(id) = json.get("purchase_id") {
+                report.purchase_ids.insert(id.to_string());
+            }
+            Settled::Created
+        }
+        StatusCode::CONFLICT if problem.ends_with("needs-review") => Settled::NeedsReview,
+        StatusCode::BAD_GATEWAY if problem.ends_with("/payment-failed") => Settled::Failed,
+        other => Settled::GaveUp(format!("{other} after {:?}: {json}", outcome.stopped)),
+    };
     report
 }

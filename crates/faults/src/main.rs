@@ -1,5 +1,5 @@
 //! `faults`: the fault proof of the demo shop on a real PostgreSQL (and, for `abandon`, on
-//! SQLite too). Each scenario starts real `shop` processes, injects a fault, lets the shop's
+//! SQLite too; `consumer-kill9` also needs RabbitMQ at `TEST_AMQP_URL`). Each scenario starts real `shop` processes, injects a fault, lets the shop's
 //! worker settle what the clients left, and checks from the databases that nothing was charged
 //! twice, no key was lost or left pending, and every charge belongs to a paid order or was
 //! refunded. Prints its counts and ends with `N passed, M failed`.
@@ -12,6 +12,7 @@
 
 mod checks;
 mod client;
+mod consumer_kill9;
 mod db;
 mod scenarios;
 mod shop_process;
@@ -31,6 +32,7 @@ enum Scenario {
     Hostile,
     CrossTenant,
     Abandon,
+    ConsumerKill9,
 }
 
 /// Fault proof: kill -9, lost COMMIT acknowledgements, database restarts, slow workers, hostile
@@ -70,6 +72,19 @@ struct Args {
     /// `--abandon-shop-arg=--no-worker` to see the scenario fail without the worker.
     #[arg(long, allow_hyphen_values = true, hide = true)]
     abandon_shop_arg: Vec<String>,
+    /// Purchase events of the consumer-kill9 scenario (each variant).
+    #[arg(long, default_value_t = 1000)]
+    consumer_messages: usize,
+    /// SIGKILLs of `shop worker` in the consumer-kill9 scenario (each variant).
+    #[arg(long, default_value_t = 12)]
+    consumer_kills: usize,
+    /// Command controlling RabbitMQ, split on spaces; `stop_app` / `start_app` are appended.
+    #[arg(
+        long,
+        env = "FAULTS_RABBITMQ_CTL",
+        default_value = "env RABBITMQ_NODENAME=rabbit@localhost ERL_EPMD_ADDRESS=127.0.0.1 rabbitmqctl -q"
+    )]
+    rabbitmq_ctl: String,
     /// Command controlling PostgreSQL, split on spaces; `stop` / `start` are appended
     /// (default: `pg_ctlcluster --skip-systemctl-redirect $PG_VERSION main`).
     #[arg(long, env = "FAULTS_POSTGRES_CTL")]
@@ -101,7 +116,13 @@ async fn main() {
         Scenario::Hostile,
         Scenario::CrossTenant,
         Scenario::Abandon,
+        Scenario::ConsumerKill9,
     ];
+    let rabbitmq_ctl: Vec<String> = args
+        .rabbitmq_ctl
+        .split_whitespace()
+        .map(str::to_owned)
+        .collect();
     let chosen: Vec<Scenario> = if args.only.is_empty() {
         all.to_vec()
     } else {
@@ -118,6 +139,21 @@ async fn main() {
             Scenario::Hostile => scenarios::hostile(&env).await,
             Scenario::CrossTenant => scenarios::cross_tenant(&env, args.trials).await,
             Scenario::Abandon => scenarios::abandon(&env, args.abandon_kills).await,
+            Scenario::ConsumerKill9 => {
+                let mut result = Ok(());
+                for broker_restart in [false, true] {
+                    let plan = consumer_kill9::Plan {
+                        messages: args.consumer_messages,
+                        kills: args.consumer_kills,
+                        broker_restart,
+                    };
+                    result = consumer_kill9::consumer_kill9(&env, plan, &rabbitmq_ctl).await;
+                    if result.is_err() {
+                        break;
+                    }
+                }
+                result
+            }
         };
         let took = started.elapsed().as_secs_f64();
         match result {

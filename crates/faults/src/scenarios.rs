@@ -47,7 +47,7 @@ pub struct Env {
 
 impl Env {
     /// `--lease-ms L --worker-interval-ms W`.
-    fn shop_args(&self) -> Vec<String> {
+    pub fn shop_args(&self) -> Vec<String> {
         vec![
             "--lease-ms".into(),
             self.lease_ms.to_string(),

@@ -57,8 +57,9 @@
 //!
 //! After each attempt the middleware gives the answer back, or pauses and sends the same request
 //! (same key, same body) again. *Resendable* below means keyed, or of a method idempotent by
-//! definition (GET, HEAD, OPTIONS, TRACE, PUT, DELETE); an unkeyed POST is sent again only if it
-//! never reached the server.
+//! definition (GET, HEAD, OPTIONS, TRACE, PUT, DELETE), or marked [`Resendable`] by the caller (an
+//! endpoint idempotent by design: a guarded state transition, a business unique constraint); an
+//! unkeyed POST is otherwise sent again only if it never reached the server.
 //!
 //! | attempt ended with | done | why |
 //! |---|---|---|
@@ -134,6 +135,6 @@ mod retry;
 pub use error::IdempotencyError;
 pub use middleware::{IdempotencyMiddleware, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, RETRY_AFTER_MS};
 pub use outcome::{AttemptRecord, AttemptResult, Outcome, Probe, StopReason, TransportKind};
-pub use policy::{KeyFormat, KeyGenerator, RequestKey, RetryPolicy};
+pub use policy::{KeyFormat, KeyGenerator, RequestKey, Resendable, RetryPolicy};
 pub use reqwest_middleware;
 pub use retry::hint as retry_hint;

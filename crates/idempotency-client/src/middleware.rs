@@ -4,7 +4,7 @@
 use crate::{
     error::IdempotencyError,
     outcome::{AttemptRecord, AttemptResult, Outcome, Probe, StopReason, TransportKind},
-    policy::{KeyFormat, KeyGenerator, RequestKey, RetryPolicy},
+    policy::{KeyFormat, KeyGenerator, RequestKey, Resendable, RetryPolicy},
     retry::{classify, hint, is_idempotent, Inspected, Verdict},
 };
 use http::{Extensions, HeaderValue, Method};
@@ -203,7 +203,9 @@ impl Middleware for IdempotencyMiddleware {
         };
         // Only a keyed request, or one of an idempotent method, may be sent again after the
         // server may have seen it.
-        let resendable = key.is_some() || is_idempotent(request.method());
+        let resendable = key.is_some()
+            || is_idempotent(request.method())
+            || extensions.get::<Resendable>().is_some();
         let replayable = request.try_clone().is_some();
         let mut request = Some(request);
 
@@ -240,6 +242,7 @@ impl Middleware for IdempotencyMiddleware {
                     },
                     replayed: false,
                     problem_type: None,
+                    problem_json: false,
                     retry_after: None,
                     took,
                     pause: None,
@@ -264,6 +267,10 @@ impl Middleware for IdempotencyMiddleware {
                         .get(IDEMPOTENT_REPLAYED)
                         .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"true"));
                     let retry_after = hint(response.headers());
+                    let problem_json = response
+                        .headers()
+                        .get(reqwest::header::CONTENT_TYPE)
+                        .is_some_and(|v| v.as_bytes().starts_with(b"application/problem+json"));
                     let status = response.status();
                     match Inspected::read(response).await {
                         Ok(inspected) => {
@@ -273,6 +280,7 @@ impl Middleware for IdempotencyMiddleware {
                                 result: AttemptResult::Status(status),
                                 replayed,
                                 problem_type: inspected.problem_type().map(str::to_owned),
+                                problem_json,
                                 retry_after,
                                 took,
                                 pause: None,
@@ -288,6 +296,7 @@ impl Middleware for IdempotencyMiddleware {
                                 },
                                 replayed,
                                 problem_type: None,
+                                problem_json,
                                 retry_after,
                                 took,
                                 pause: None,
@@ -326,6 +335,7 @@ impl Middleware for IdempotencyMiddleware {
                         result,
                         replayed: false,
                         problem_type: None,
+                        problem_json: false,
                         retry_after: None,
                         took,
                         pause: None,

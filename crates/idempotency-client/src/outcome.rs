@@ -94,6 +94,9 @@ pub struct AttemptRecord {
     pub replayed: bool,
     /// The problem `type` of the answer, where the middleware read it (409, 422).
     pub problem_type: Option<String>,
+    /// Whether the answer was `application/problem+json` (RFC 9457), as every error answer of
+    /// `idempotency-http` is; a 5xx without it came from something else (a proxy, a crash page).
+    pub problem_json: bool,
     /// The server's retry hint (`Retry-After-Ms`, else `Retry-After`), if any.
     pub retry_after: Option<Duration>,
     /// How long the attempt took, from sending to the answer's head.

@@ -220,3 +220,24 @@ pub enum RequestKey {
     /// Send no key (and so retry only as an unkeyed request of its method may be).
     Omit,
 }
+
+/// A request extension declaring an **unkeyed** request safe to send again after the server may
+/// have run it, because the endpoint is idempotent by design: a guarded state transition
+/// (`UPDATE … WHERE state = 'pending_payment'`), an insert under a business unique constraint, an
+/// overwrite. The middleware then retries it like a keyed request (timeouts, 502/503/504 …).
+/// Without it, an unkeyed POST is sent again only when it never reached the server.
+///
+/// ```no_run
+/// # async fn demo(client: reqwest_middleware::ClientWithMiddleware) -> Result<(), reqwest_middleware::Error> {
+/// use idempotency_client::{RequestKey, Resendable};
+/// // Paying an order is a guarded transition: a second payment finds it paid.
+/// client
+///     .post("http://127.0.0.1:8080/orders/42/pay")
+///     .with_extension(RequestKey::Omit)
+///     .with_extension(Resendable)
+///     .send()
+///     .await?;
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Resendable;

@@ -6,7 +6,7 @@ mod common;
 use common::{client, client_with, fast, serve, serve_on};
 use idempotency_client::{
     AttemptResult, IdempotencyError, IdempotencyMiddleware, KeyFormat, KeyGenerator, Outcome,
-    Probe, RequestKey, RetryPolicy, StopReason, TransportKind,
+    Probe, RequestKey, Resendable, RetryPolicy, StopReason, TransportKind,
 };
 use reqwest::{Method, StatusCode};
 use std::time::{Duration, Instant};
@@ -415,6 +415,24 @@ async fn an_unkeyed_post_is_not_resent_once_the_server_saw_it() {
         .await
         .unwrap();
     assert_eq!(Outcome::of(&response).unwrap().attempt_count(), 2);
+    // An unkeyed POST the caller marks as idempotent by design (a guarded transition) is.
+    let path = "/status/502?succeed_after=2";
+    let response = client
+        .post(format!("{}{path}", server.url))
+        .with_extension(RequestKey::Omit)
+        .with_extension(Resendable)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::CREATED);
+    assert_eq!(Outcome::of(&response).unwrap().attempt_count(), 3);
+    assert_eq!(server.log.count(path), 3);
+    assert!(server
+        .log
+        .all()
+        .into_iter()
+        .filter(|s| s.path == path)
+        .all(|s| s.key.is_none()));
 }
 
 #[tokio::test]

@@ -49,3 +49,13 @@ CREATE TABLE IF NOT EXISTS shop_emails (
     message_id TEXT        NOT NULL,
     created_at TIMESTAMPTZ NOT NULL DEFAULT now()
 );
+
+-- The transactional outbox: a paid purchase's event, written in the purchase's transaction,
+-- deleted by the relay once the broker confirmed it.
+CREATE TABLE IF NOT EXISTS shop_outbox (
+    id           BIGSERIAL   PRIMARY KEY,
+    message_id   TEXT        NOT NULL,
+    message_type TEXT        NOT NULL,
+    payload      TEXT        NOT NULL,
+    created_at   TIMESTAMPTZ NOT NULL DEFAULT now()
+);

@@ -59,6 +59,11 @@ pub struct Config {
     /// stored response instead of a 409 (`IdempotencyLayer::wait_for_in_flight`); `None`: 409 at
     /// once.
     pub wait_for_in_flight: Option<Duration>,
+    /// The broker the outbox relay publishes purchase events to (`amqp://…`); `None`: no
+    /// outbox rows are written and no relay runs.
+    pub amqp_url: Option<String>,
+    /// The share of outbox rows the relay publishes twice on purpose (fault proof).
+    pub outbox_duplicate_share: f64,
 }
 
 impl Config {
@@ -74,6 +79,8 @@ impl Config {
             lease: Duration::from_secs(30),
             worker_interval: Some(Duration::from_secs(1)),
             wait_for_in_flight: None,
+            amqp_url: None,
+            outbox_duplicate_share: 0.0,
         }
     }
 }
@@ -98,6 +105,7 @@ struct Inner {
     payment: PaymentProvider,
     mail: MailProvider,
     purchase: Arc<Purchase>,
+    events: Arc<crate::worker::PurchaseEvents>,
     wait_for_in_flight: Option<Duration>,
 }
 
@@ -129,9 +137,13 @@ impl App {
         };
         let payment = PaymentProvider::new(providers.clone(), config.payment);
         Ok(Self(Arc::new(Inner {
-            purchase: Arc::new(Purchase::new(payment.clone())),
+            purchase: Arc::new(Purchase::new(payment.clone(), config.amqp_url.is_some())),
             payment,
             mail: MailProvider::new(providers.clone(), config.mail),
+            events: Arc::new(crate::worker::PurchaseEvents::new(MailProvider::new(
+                providers.clone(),
+                config.mail,
+            ))),
             db,
             engine,
             providers,
@@ -169,22 +181,32 @@ impl App {
         &self.0.purchase
     }
 
-    /// Starts the maintenance worker: purchases whose client or process went away are carried
-    /// on from their recovery point, abandoned local keys released, e-mails of unknown outcome
+    /// The durable operation `shop worker` runs per purchase event (registered with the
+    /// maintenance worker too, which carries on an event whose worker died).
+    pub fn purchase_events(&self) -> &Arc<crate::worker::PurchaseEvents> {
+        &self.0.events
+    }
+
+    /// Starts the maintenance worker: purchases (and purchase events) whose client or process
+    /// went away are carried on from their recovery point, abandoned local keys released, e-mails of unknown outcome
     /// parked, expired keys purged.
     pub fn spawn_worker(&self, interval: Duration) -> WorkerHandle {
         match self.engine() {
             Engine::Pg(engine) => MaintenanceWorker::new(engine.store().clone())
                 .with_operations(
                     engine.clone(),
-                    Operations::new().with_shared(self.0.purchase.clone()),
+                    Operations::new()
+                        .with_shared(self.0.purchase.clone())
+                        .with_shared(self.0.events.clone()),
                 )
                 .with_interval(interval)
                 .spawn(),
             Engine::Sqlite(engine) => MaintenanceWorker::new(engine.store().clone())
                 .with_operations(
                     engine.clone(),
-                    Operations::new().with_shared(self.0.purchase.clone()),
+                    Operations::new()
+                        .with_shared(self.0.purchase.clone())
+                        .with_shared(self.0.events.clone()),
                 )
                 .with_interval(interval)
                 .spawn(),
@@ -350,6 +372,7 @@ pub struct Running {
     pub app: App,
     task: tokio::task::JoinHandle<()>,
     worker: Option<WorkerHandle>,
+    relay: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl Running {
@@ -370,6 +393,9 @@ impl Running {
 impl Drop for Running {
     fn drop(&mut self) {
         self.task.abort();
+        if let Some(relay) = &self.relay {
+            relay.abort();
+        }
     }
 }
 
@@ -388,10 +414,16 @@ pub async fn start(config: &Config, listen: &str) -> anyhow::Result<Running> {
     let worker = config
         .worker_interval
         .map(|interval| app.spawn_worker(interval));
+    let relay = config.amqp_url.as_ref().map(|url| {
+        let relay = crate::outbox::Relay::new(app.db().clone(), url)
+            .with_duplicate_share(config.outbox_duplicate_share);
+        tokio::spawn(relay.run())
+    });
     Ok(Running {
         addr,
         app,
         task,
         worker,
+        relay,
     })
 }

@@ -1,6 +1,12 @@
 //! A small HTTP client for the storm and the benchmark, recording every request's latency.
+//! Sending until a definitive answer goes through `idempotency-client`, the crate users get.
 
 use hdrhistogram::Histogram;
+use idempotency_client::{
+    reqwest_middleware::{ClientBuilder, ClientWithMiddleware},
+    IdempotencyError, IdempotencyMiddleware, Outcome, Probe, RequestKey, Resendable, RetryPolicy,
+    StopReason,
+};
 use reqwest::{Method, StatusCode};
 use serde_json::Value;
 use std::{
@@ -103,6 +109,7 @@ impl<'a> Call<'a> {
 #[derive(Debug, Clone)]
 pub struct Client {
     http: reqwest::Client,
+    retrying: ClientWithMiddleware,
     bases: Arc<Vec<String>>,
     latency: Arc<Mutex<Histogram<u64>>>,
 }
@@ -111,11 +118,15 @@ impl Client {
     /// A client for `bases` (`http://HOST:PORT`).
     pub fn new(bases: Vec<String>) -> Self {
         assert!(!bases.is_empty(), "at least one URL");
+        let http = reqwest::Client::builder()
+            .pool_max_idle_per_host(256)
+            .build()
+            .expect("HTTP client");
         Self {
-            http: reqwest::Client::builder()
-                .pool_max_idle_per_host(256)
-                .build()
-                .expect("HTTP client"),
+            retrying: ClientBuilder::new(http.clone())
+                .with(IdempotencyMiddleware::new())
+                .build(),
+            http,
             bases: Arc::new(bases),
             latency: Arc::new(Mutex::new(
                 Histogram::new_with_bounds(1, 120_000_000, 3).expect("histogram bounds"),
@@ -146,6 +157,88 @@ impl Client {
         }
         let started = Instant::now();
         let response = request.send().await?;
+        let answer = Self::answer(response).await?;
+        let elapsed = started.elapsed().as_micros().max(1) as u64;
+        if let Ok(mut h) = self.latency.lock() {
+            let _ = h.record(elapsed);
+        }
+        Ok(answer)
+    }
+
+    /// Sends `call` to the `target`-th URL through [`IdempotencyMiddleware`] until a definitive
+    /// answer or `deadline`: the call's key (or none: the middleware adds no key of its own) on
+    /// every attempt, transport errors, 409 in progress, 503 pending and 502/503/504 retried
+    /// (after the server's hint, else a jittered backoff from 2 ms), never a 400 or a 422. An
+    /// unkeyed call is marked [`Resendable`]: the storm sends unkeyed only what the shop makes
+    /// idempotent by design (a guarded transition, a business unique constraint). The
+    /// middleware's typed `KeyReused` error is given back as the 422 `key-reused` it stands for.
+    /// The answer is `None` when the deadline passed first or the last attempt failed in
+    /// transport; the outcome lists every attempt. Each attempt's latency is recorded.
+    pub async fn send_until_definitive(
+        &self,
+        target: usize,
+        call: &Call<'_>,
+        deadline: Duration,
+    ) -> (Option<Answer>, Outcome) {
+        let base = &self.bases[target % self.bases.len()];
+        let mut request = self
+            .retrying
+            .request(call.method.clone(), format!("{base}{}", call.path))
+            .header("x-user-id", call.user)
+            .with_extension(match call.key {
+                Some(key) => RequestKey::Use(key.to_owned()),
+                None => RequestKey::Omit,
+            })
+            .with_extension(Resendable)
+            .with_extension(
+                RetryPolicy::default()
+                    .max_attempts(u32::MAX)
+                    .deadline(deadline)
+                    .backoff(Duration::from_millis(2), Duration::from_millis(250)),
+            );
+        if let Some(body) = call.body {
+            request = request.json(body);
+        }
+        if let Some(timeout) = call.timeout {
+            request = request.timeout(timeout);
+        }
+        let probe = Probe::new();
+        let sent = request.with_extension(probe.clone()).send().await;
+        let (answer, outcome) = match sent {
+            Ok(response) => {
+                let outcome = Outcome::of(&response)
+                    .cloned()
+                    .unwrap_or_else(|| probe.outcome());
+                (Self::answer(response).await.ok(), outcome)
+            }
+            Err(error) => match IdempotencyError::from_error(&error) {
+                Some(IdempotencyError::KeyReused {
+                    detail, outcome, ..
+                }) => {
+                    let answer = Answer {
+                        status: StatusCode::UNPROCESSABLE_ENTITY,
+                        body: serde_json::json!({"type": "key-reused", "detail": detail}),
+                        replayed: false,
+                        retry_after: None,
+                    };
+                    (Some(answer), (**outcome).clone())
+                }
+                _ => (None, probe.outcome()),
+            },
+        };
+        if let Ok(mut h) = self.latency.lock() {
+            for attempt in &outcome.attempts {
+                let _ = h.record(attempt.took.as_micros().max(1) as u64);
+            }
+        }
+        let definitive = !matches!(
+            outcome.stopped,
+            Some(StopReason::Deadline | StopReason::MaxAttempts)
+        );
+        (answer.filter(|_| definitive), outcome)
+    }
+
+    async fn answer(response: reqwest::Response) -> Result<Answer, reqwest::Error> {
         let status = response.status();
         let replayed = response
             .headers()
@@ -157,10 +250,6 @@ impl Client {
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.parse().ok());
         let bytes = response.bytes().await?;
-        let elapsed = started.elapsed().as_micros().max(1) as u64;
-        if let Ok(mut h) = self.latency.lock() {
-            let _ = h.record(elapsed);
-        }
         Ok(Answer {
             status,
             body: serde_json::from_slice(&bytes).unwrap_or(Value::Null),

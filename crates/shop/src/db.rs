@@ -274,7 +274,7 @@ impl ShopDb {
             }
             ShopDb::Sqlite(store) => {
                 store.migrate().await.context("idempotency migrations")?;
-                let mut tx = store.pool().begin_with("BEGIN IMMEDIATE").await?;
+                let mut tx = store.writer().begin_with("BEGIN IMMEDIATE").await?;
                 for statement in statements(include_str!("../migrations/sqlite.sql")) {
                     sqlx::query(&statement).execute(&mut *tx).await?;
                 }
@@ -293,11 +293,14 @@ impl ShopDb {
     }
 
     /// Opens a transaction for work that is not protected by a key (guarded transitions,
-    /// unique-constraint inserts); on SQLite it takes the write lock at once.
+    /// unique-constraint inserts); on SQLite it queues for the store's one writer connection
+    /// and takes the write lock at once.
     pub async fn begin(&self) -> Result<Tx, sqlx::Error> {
         Ok(match self {
             ShopDb::Pg(store) => Tx::Pg(store.pool().begin().await?),
-            ShopDb::Sqlite(store) => Tx::Sqlite(store.pool().begin_with("BEGIN IMMEDIATE").await?),
+            ShopDb::Sqlite(store) => {
+                Tx::Sqlite(store.writer().begin_with("BEGIN IMMEDIATE").await?)
+            }
         })
     }
 
@@ -383,7 +386,7 @@ mod tests {
     #[test]
     fn every_migration_statement_is_split() {
         let n = statements(include_str!("../migrations/sqlite.sql")).count();
-        assert_eq!(n, 7);
+        assert_eq!(n, 8);
         // PostgreSQL also replaces the status CHECK of databases made by older shops.
         assert_eq!(
             statements(include_str!("../migrations/postgres.sql")).count(),

@@ -8,7 +8,9 @@
 //! * a **guarded state transition** (`POST /orders/{id}/pay`) and a **business unique
 //!   constraint** (`POST /points/grants`) ([`routes`]);
 //! * the **storm** that hammers it all with duplicates and checks the ledgers ([`storm`]), and
-//!   the **benchmark** ([`bench`]).
+//!   the **benchmark** ([`bench`]);
+//! * a **transactional outbox** of purchase events relayed to RabbitMQ ([`outbox`]), and
+//!   `shop worker`, their idempotent consumer ([`worker`]).
 #![warn(missing_docs)]
 
 pub mod app;
@@ -16,6 +18,7 @@ pub mod bench;
 pub mod client;
 pub mod db;
 pub mod metrics;
+pub mod outbox;
 pub mod problem;
 pub mod protect;
 pub mod providers;
@@ -23,3 +26,4 @@ pub mod purchase;
 pub mod routes;
 pub mod storm;
 pub mod tx;
+pub mod worker;

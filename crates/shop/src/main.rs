@@ -7,6 +7,7 @@ use shop::{
     bench::{self, BenchArgs},
     providers::Faults,
     storm::{self, StormArgs},
+    worker::{self, WorkerArgs},
 };
 use std::{io::Write, time::Duration};
 
@@ -26,6 +27,8 @@ enum Command {
     Storm(StormArgs),
     /// Measure the middleware's cost against the same handler without it.
     Bench(BenchArgs),
+    /// Consume the purchase events (points and receipts) from RabbitMQ, exactly once each.
+    Worker(WorkerArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -61,6 +64,17 @@ struct ServeArgs {
     /// then answers with its stored response instead of a 409 (0: 409 at once).
     #[arg(long, default_value_t = 0)]
     wait_for_in_flight_ms: u64,
+    /// Write each paid purchase's event into the outbox and relay it to this RabbitMQ broker
+    /// (`amqp://USER:PASS@HOST:PORT/VHOST`), for `shop worker`.
+    #[arg(long, env = "SHOP_AMQP_URL")]
+    amqp_url: Option<String>,
+    /// Also consume the purchase events in this process (what `shop worker` does), so that one
+    /// command runs the shop and its worker; needs `--amqp-url`.
+    #[arg(long, requires = "amqp_url")]
+    consume: bool,
+    /// Share of outbox rows published twice on purpose (fault proof).
+    #[arg(long, default_value_t = 0.0, value_parser = rate, hide = true)]
+    outbox_duplicate_share: f64,
     /// Also mount `POST /unprotected/purchases` (the purchase handler without the idempotency middleware).
     #[arg(long, hide = true)]
     bench_routes: bool,
@@ -92,6 +106,7 @@ async fn main() -> anyhow::Result<()> {
     match cli.command {
         Some(Command::Storm(args)) => storm::run(args).await,
         Some(Command::Bench(args)) => bench::run(args).await,
+        Some(Command::Worker(args)) => worker::run(args).await,
         None => serve(cli.serve).await,
     }
 }
@@ -113,7 +128,27 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         (!args.no_worker).then(|| Duration::from_millis(args.worker_interval_ms.max(10)));
     config.wait_for_in_flight =
         (args.wait_for_in_flight_ms > 0).then(|| Duration::from_millis(args.wait_for_in_flight_ms));
+    config.amqp_url = args.amqp_url.clone();
+    config.outbox_duplicate_share = args.outbox_duplicate_share;
     let running = app::start(&config, &args.listen).await?;
+    if let (true, Some(amqp_url)) = (args.consume, args.amqp_url.clone()) {
+        let consuming = WorkerArgs {
+            database_url: args.database_url.clone(),
+            amqp_url,
+            prefetch: 32,
+            concurrency: 8,
+            mail_fail_rate: args.mail_fail_rate,
+            lease_ms: args.lease_ms,
+        };
+        tokio::spawn(async move {
+            if let Err(error) = worker::run(consuming).await {
+                tracing::error!(
+                    error = format!("{error:#}"),
+                    "the in-process worker stopped"
+                );
+            }
+        });
+    }
     let url = running.url();
     let database = args
         .database_url

@@ -179,13 +179,15 @@ pub async fn place_order(
 #[error("order {0} is no longer awaiting payment")]
 pub struct OrderGone(pub i64);
 
-/// Step 3: `pending_payment → paid` (guarded) and the purchase row; returns the 201 body.
+/// Step 3: `pending_payment → paid` (guarded) and the purchase row, and with `outbox` the
+/// purchase's event in the outbox (same transaction); returns the 201 body.
 pub async fn mark_paid(
     mut conn: Conn<'_>,
     request: &PurchaseRequest,
     order: i64,
     amount: i64,
     charge: &Charge,
+    outbox: bool,
 ) -> Result<Value, Box<dyn std::error::Error + Send + Sync>> {
     let paid = on_conn!(conn.reborrow(), |c| {
         sqlx::query(
@@ -207,6 +209,17 @@ pub async fn mark_paid(
     .bind(order)
     .fetch_one(&mut *c)
     .await?);
+    if outbox {
+        let event = crate::outbox::PurchasePaid {
+            purchase_id,
+            order_id: order,
+            user_id: request.user.clone(),
+            sku: request.sku.clone(),
+            quantity: request.quantity,
+            amount_cents: amount,
+        };
+        crate::outbox::record(conn.reborrow(), &event).await?;
+    }
     Ok(json!({
         "purchase_id": purchase_id,
         "order_id": order,
@@ -279,7 +292,7 @@ fn payment_failed(why: &str, order: i64) -> StoredResponse {
     .to_stored()
 }
 
-fn call_error(error: ProviderError) -> CallError {
+pub(crate) fn call_error(error: ProviderError) -> CallError {
     match error {
         ProviderError::Refused(reason) => CallError::Declined(reason),
         other => CallError::Unknown(other.to_string()),
@@ -291,12 +304,14 @@ fn call_error(error: ProviderError) -> CallError {
 #[derive(Debug, Clone)]
 pub struct Purchase {
     payment: PaymentProvider,
+    outbox: bool,
 }
 
 impl Purchase {
-    /// The operation, charging through `payment`.
-    pub fn new(payment: PaymentProvider) -> Self {
-        Self { payment }
+    /// The operation, charging through `payment`; with `outbox`, a paid purchase writes its
+    /// event into the outbox in its last step's transaction.
+    pub fn new(payment: PaymentProvider, outbox: bool) -> Self {
+        Self { payment, outbox }
     }
 }
 
@@ -373,11 +388,12 @@ impl<S: Backend> Operation<S> for Purchase {
         };
 
         // 3. Paid, recorded, and the key completed with the 201, in one transaction.
-        let (paying, paid_with) = (request.clone(), charge.clone());
+        let (paying, paid_with, outbox) = (request.clone(), charge.clone(), self.outbox);
         let finished = steps
             .finish(move |tx| {
                 Box::pin(async move {
-                    let body = mark_paid(S::conn(tx), &paying, order, amount, &paid_with).await?;
+                    let body =
+                        mark_paid(S::conn(tx), &paying, order, amount, &paid_with, outbox).await?;
                     Ok::<_, Box<dyn std::error::Error + Send + Sync>>(stored_json(
                         StatusCode::CREATED,
                         &body,

@@ -219,7 +219,7 @@ pub async fn purchase_unprotected(
         .await
         .map_err(payment_problem)?;
     let mut tx = app.db().begin().await.map_err(db)?;
-    let body = mark_paid(tx.conn(), &request, order, amount, &charge)
+    let body = mark_paid(tx.conn(), &request, order, amount, &charge, false)
         .await
         .map_err(|e| {
             tracing::error!(error = %e, "unprotected purchase");

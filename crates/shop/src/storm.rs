@@ -143,6 +143,22 @@ impl Counts {
         };
         counter.fetch_add(1, Ordering::Relaxed);
     }
+
+    /// Counts an attempt of which only the middleware's record is known (not the last).
+    fn count_attempt(&self, attempt: &idempotency_client::AttemptRecord) {
+        self.requests.fetch_add(1, Ordering::Relaxed);
+        let counter = match attempt.result.status() {
+            None => &self.timeouts,
+            Some(_) if attempt.replayed => &self.replayed,
+            Some(s) if s.is_success() => &self.executed,
+            Some(StatusCode::CONFLICT) => &self.conflict,
+            Some(StatusCode::UNPROCESSABLE_ENTITY) => &self.unprocessable,
+            Some(StatusCode::PAYMENT_REQUIRED) => &self.refused,
+            Some(s) if s.is_server_error() => &self.server_errors,
+            Some(_) => &self.other,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
 }
 
 /// Whether `a` is the definitive answer of a purchase settled as failed.
@@ -223,38 +239,24 @@ impl Storm {
         answer
     }
 
-    /// Sends until a definitive answer: retries on timeouts, 409 in progress, 503 pending and
-    /// other 5xx, with the same key, as a well-behaved client does. The definitive 502 of a
-    /// purchase settled as failed, and the 5xx of an e-mail of unknown outcome, are answers.
-    /// `None` after [`RETRY_LIMIT`].
+    /// Sends until a definitive answer through `idempotency-client`, as a well-behaved client
+    /// does: the same key on every attempt; timeouts, 409 in progress, 503 pending and
+    /// 502/503/504 retried; never a 400 or 422. The definitive 502 of a purchase settled as
+    /// failed comes back replayed on its retry and stops there; an e-mail of unknown outcome ends
+    /// in 409 `needs-review`. `None` after [`RETRY_LIMIT`].
     async fn until_definitive(&self, call: &Call<'_>) -> Option<Answer> {
-        let mut call = call.clone();
-        let deadline = Instant::now() + RETRY_LIMIT;
-        let mut attempt = 0;
-        while Instant::now() < deadline {
-            match self.send(&call).await {
-                Ok(a) if a.status == StatusCode::CONFLICT && a.is_problem("in-progress") => {
-                    tokio::time::sleep(Duration::from_millis((5 + attempt).min(250))).await
-                }
-                Ok(a) if a.is_problem("purchase-pending") => {
-                    // Carried on in the background: come back when the answer says.
-                    let after = Duration::from_secs(a.retry_after.unwrap_or(1));
-                    tokio::time::sleep(after.min(Duration::from_secs(1))).await
-                }
-                Ok(a)
-                    if a.status.is_server_error()
-                        && !a.is_problem("mail-outcome-unknown")
-                        && !payment_failed(&a) =>
-                {
-                    tokio::time::sleep(Duration::from_millis(2)).await
-                }
-                Ok(a) => return Some(a),
-                Err(_) => {}
+        let (answer, outcome) = self
+            .client
+            .send_until_definitive(self.next_target(), call, RETRY_LIMIT)
+            .await;
+        let attempts = outcome.attempts.len();
+        for (n, attempt) in outcome.attempts.iter().enumerate() {
+            match (&answer, n + 1 == attempts) {
+                (Some(last), true) => self.counts.count(&Ok(last.clone())),
+                _ => self.counts.count_attempt(attempt),
             }
-            attempt += 1;
-            call.timeout = None;
         }
-        None
+        answer
     }
 
     /// Sends `copies` copies of `call` at once, each until definitive.
@@ -537,7 +539,8 @@ impl Storm {
             || paid.iter().any(|a| a.status != StatusCode::OK)
         {
             self.violation(format!(
-                "{user} order {order_id}: {first_payments} calls paid it (charges {charges:?})"
+                "{user} order {order_id}: {first_payments} calls paid it (charges {charges:?}, answers {:?})",
+                paid.iter().map(|a| (a.status.as_u16(), a.problem_type())).collect::<Vec<_>>()
             ));
         } else {
             expected.charges.push(

@@ -1,10 +1,22 @@
 //! SQLite store (feature `sqlite`), the embedded default.
 //!
-//! SQLite has one writer at a time: the store opens the database in WAL mode with a busy timeout,
-//! and begins business transactions with `BEGIN IMMEDIATE` so two writers queue instead of failing
-//! with `SQLITE_BUSY` on a lock upgrade. A reservation first reads the row (readers never wait in
-//! WAL mode, so replays and duplicates are cheap), and only for an absent key INSERTs under the
-//! primary key, which decides alone who holds the key.
+//! SQLite has one writer at a time. Left to itself, a second writer polls the lock on SQLite's
+//! busy-handler schedule (sleeps of 1, 2, 5 … 100 ms), so a request can stall for hundreds of
+//! milliseconds behind a short transaction. The store therefore queues its writers in process:
+//! every write (a reservation, a completion, a release, a business transaction from
+//! [`Store::begin`]) runs on a pool of **one writer connection**, whose waiters are served in
+//! order the moment the connection returns, without sleeping. Reads (replays, duplicates, the
+//! operator's listings) use the application's pool and never wait for the writer in WAL mode.
+//! Business transactions still begin with `BEGIN IMMEDIATE`, so another process writing the same
+//! file (the `idem` CLI) makes them wait on the busy timeout rather than fail on a lock upgrade.
+//!
+//! A reservation first reads the row (replays and duplicates are then cheap reads), and only for
+//! an absent key INSERTs under the primary key, which decides alone who holds the key. The
+//! reservation commits with the database's `synchronous` setting; with WAL and
+//! `synchronous = NORMAL` (what [`SqliteStore::connect`] sets), a commit survives a crash of the
+//! process but not of the machine's power, the same bargain as PostgreSQL's
+//! `synchronous_commit = off` for journaled reservations: a lost reservation leaves nothing
+//! behind, because the work it guarded committed after it (the WAL is ordered).
 
 use super::{millis, Insertion, KeyRecord, LeaseToken, PendingRow, Store};
 use crate::{error::StoreError, Fingerprint, IdempotencyKey};
@@ -73,13 +85,21 @@ const FIND: &str = concat!(
 #[derive(Debug, Clone)]
 pub struct SqliteStore {
     pool: SqlitePool,
+    writer: SqlitePool,
 }
 
 impl SqliteStore {
     /// A store on an existing pool. Open it in WAL mode with a busy timeout (as
-    /// [`connect`](Self::connect) does) for concurrent use.
+    /// [`connect`](Self::connect) does) for concurrent use. Writes go to a second pool of one
+    /// connection with the same options (see [`writer`](Self::writer)), opened on first use.
+    /// Call it inside a Tokio runtime.
     pub fn new(pool: SqlitePool) -> Self {
-        Self { pool }
+        let options = (*pool.connect_options()).clone();
+        let writer = SqlitePoolOptions::new()
+            .max_connections(1)
+            .acquire_timeout(Duration::from_secs(30))
+            .connect_lazy_with(options);
+        Self { pool, writer }
     }
 
     /// Opens (creating if missing) a database file in WAL mode with a 30 s busy timeout.
@@ -96,9 +116,26 @@ impl SqliteStore {
         Ok(Self::new(pool))
     }
 
-    /// The pool, for the application's own queries.
+    /// The pool, for the application's own reads.
     pub fn pool(&self) -> &SqlitePool {
         &self.pool
+    }
+
+    /// The single writer connection's pool. Begin the application's own write transactions
+    /// here (or with [`Store::begin`]) so that they queue with the store's writes instead of
+    /// polling SQLite's lock.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), idempotency::StoreError> {
+    /// use idempotency::store::sqlite::SqliteStore;
+    /// let store = SqliteStore::connect("sqlite://shop.db").await?;
+    /// let mut tx = store.writer().begin_with("BEGIN IMMEDIATE").await?;
+    /// sqlx::query("CREATE TABLE IF NOT EXISTS notes (body TEXT)").execute(&mut *tx).await?;
+    /// tx.commit().await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn writer(&self) -> &SqlitePool {
+        &self.writer
     }
 }
 
@@ -147,7 +184,7 @@ impl Store for SqliteStore {
     type Database = Sqlite;
 
     async fn migrate(&self) -> Result<(), StoreError> {
-        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        let mut tx = self.writer.begin_with("BEGIN IMMEDIATE").await?;
         sqlx::query(
             "CREATE TABLE IF NOT EXISTS idempotency_schema_migrations (
                 version INTEGER PRIMARY KEY,
@@ -214,7 +251,7 @@ impl Store for SqliteStore {
         .bind(row.token.0.as_bytes().as_slice())
         .bind(row.lease_millis())
         .bind(row.retention_millis())
-        .execute(&self.pool)
+        .execute(&self.writer)
         .await?;
         if done.rows_affected() == 1 {
             return Ok(Insertion::Inserted);
@@ -290,13 +327,13 @@ impl Store for SqliteStore {
         .bind(row.lease_millis())
         .bind(row.retention_millis())
         .bind(stale.0.as_bytes().as_slice())
-        .execute(&self.pool)
+        .execute(&self.writer)
         .await?;
         Ok(done.rows_affected() == 1)
     }
 
     async fn begin(&self) -> Result<Transaction<'static, Sqlite>, StoreError> {
-        let pool = self.pool.clone();
+        let pool = self.writer.clone();
         super::begin_uncancellable(async move {
             let mut conn = pool.acquire().await?;
             // A connection must never carry a transaction into the pool, but if one does (a
@@ -353,7 +390,7 @@ impl Store for SqliteStore {
         .bind(key.operation())
         .bind(key.key())
         .bind(token.0.as_bytes().as_slice())
-        .execute(&self.pool)
+        .execute(&self.writer)
         .await?;
         Ok(done.rows_affected() == 1)
     }
@@ -375,7 +412,7 @@ impl Store for SqliteStore {
         .bind(key.key())
         .bind(token.0.as_bytes().as_slice())
         .bind(reason)
-        .execute(&self.pool)
+        .execute(&self.writer)
         .await?;
         Ok(done.rows_affected() == 1)
     }
@@ -402,7 +439,7 @@ impl Store for SqliteStore {
         .bind(stale.0.as_bytes().as_slice())
         .bind(fresh.0.as_bytes().as_slice())
         .bind(millis(lease))
-        .execute(&self.pool)
+        .execute(&self.writer)
         .await?;
         Ok(done.rows_affected() == 1)
     }
@@ -426,7 +463,7 @@ impl Store for SqliteStore {
         .bind(key.key())
         .bind(token.0.as_bytes().as_slice())
         .bind(millis(retry_after))
-        .execute(&self.pool)
+        .execute(&self.writer)
         .await?;
         Ok(done.rows_affected() == 1)
     }
@@ -526,7 +563,7 @@ impl super::Maintenance for SqliteStore {
         .bind(result)
         .bind(reason)
         .bind(millis(retention))
-        .execute(&self.pool)
+        .execute(&self.writer)
         .await?;
         Ok(done.rows_affected() == 1)
     }
@@ -542,7 +579,7 @@ impl super::Maintenance for SqliteStore {
             purgeable!()
         ))
         .bind(i64::from(batch))
-        .execute(&self.pool)
+        .execute(&self.writer)
         .await?;
         Ok(done.rows_affected())
     }
@@ -597,7 +634,7 @@ impl super::Maintenance for SqliteStore {
         .bind(result)
         .bind(reason)
         .bind(millis(retention))
-        .execute(&self.pool)
+        .execute(&self.writer)
         .await?;
         Ok(done.rows_affected() == 1)
     }
