@@ -155,6 +155,11 @@
 
 #![warn(missing_docs)]
 
+/// The README's examples, compiled as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
+
 pub mod disposition;
 pub mod error;
 pub mod header;

@@ -6,10 +6,13 @@
 
 pub mod maintenance;
 #[cfg(feature = "mysql")]
+#[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
 pub mod mysql;
 #[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub mod postgres;
 #[cfg(feature = "sqlite")]
+#[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
 pub mod sqlite;
 
 pub use maintenance::{KeyFilter, KeyStats, Maintenance, Resolution, StateCount};
@@ -589,6 +592,10 @@ pub(crate) fn statements(sql: &str) -> Vec<String> {
 /// caller was dropped, which leaves an open transaction nobody owns (on SQLite it holds the write
 /// lock for good). The task always runs to the end, and a transaction its caller no longer waits
 /// for is dropped there, which rolls it back.
+#[cfg_attr(
+    not(any(feature = "postgres", feature = "sqlite", feature = "mysql")),
+    allow(dead_code)
+)]
 pub(crate) async fn begin_uncancellable<DB, F>(
     begin: F,
 ) -> Result<sqlx::Transaction<'static, DB>, StoreError>
