@@ -68,9 +68,9 @@ pub async fn purchase_until_settled(
         .with(IdempotencyMiddleware::new())
         .build();
     let policy = RetryPolicy::default()
-        .max_attempts(u32::MAX)
-        .deadline(limit)
-        .backoff(Duration::from_millis(20), Duration::from_millis(500));
+        .with_max_attempts(u32::MAX)
+        .with_deadline(limit)
+        .with_backoff(Duration::from_millis(20), Duration::from_millis(500));
     let probe = Probe::new();
     let sent = client
         .post(format!("{base_url}/purchases"))

@@ -12,7 +12,11 @@
 //! * every dead letter (a receipt of unknown outcome, parked for review) carries its reason,
 //!   and names a key parked as `needs_review`.
 
-use crate::{client::purchase_until_settled, scenarios::Env, shop_process::ShopProcess};
+use crate::{
+    client::purchase_until_settled,
+    scenarios::Env,
+    shop_process::{spawn_logged, ShopProcess},
+};
 use anyhow::{bail, ensure, Context, Result};
 use idempotency_amqp::{headers, Topology};
 use lapin::{
@@ -26,7 +30,6 @@ use sqlx::{postgres::PgPoolOptions, PgPool};
 use std::{
     collections::{BTreeMap, HashSet},
     path::Path,
-    process::Stdio,
     sync::{
         atomic::{AtomicBool, AtomicUsize, Ordering},
         Arc,
@@ -73,19 +76,7 @@ impl WorkerProcess {
     }
 
     fn spawn(&mut self) -> Result<()> {
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&self.log)?;
-        let child = Command::new(&self.bin)
-            .args(&self.args)
-            .stdin(Stdio::null())
-            .stdout(log.try_clone()?)
-            .stderr(log)
-            .kill_on_drop(true)
-            .spawn()
-            .with_context(|| format!("start {} worker", self.bin.display()))?;
-        self.child = Some(child);
+        self.child = Some(spawn_logged(&self.bin, &self.args, &self.log)?);
         self.starts += 1;
         Ok(())
     }

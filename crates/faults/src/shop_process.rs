@@ -27,6 +27,22 @@ pub fn free_port() -> u16 {
         .expect("a free port")
 }
 
+/// Starts `bin ARGS…` with its output appended to `log`; SIGKILLed when dropped.
+pub fn spawn_logged(bin: &Path, args: &[String], log: &Path) -> Result<Child> {
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)?;
+    Command::new(bin)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .kill_on_drop(true)
+        .spawn()
+        .with_context(|| format!("start {}", bin.display()))
+}
+
 impl ShopProcess {
     /// Starts `shop --listen 127.0.0.1:PORT --database-url URL ARGS…` and waits until it answers.
     pub async fn start(bin: &Path, database_url: &str, extra: &[&str]) -> Result<Self> {
@@ -57,18 +73,7 @@ impl ShopProcess {
     }
 
     async fn spawn(&mut self) -> Result<()> {
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&self.log)?;
-        let child = Command::new(&self.bin)
-            .args(&self.args)
-            .stdin(Stdio::null())
-            .stdout(log.try_clone()?)
-            .stderr(log)
-            .kill_on_drop(true)
-            .spawn()
-            .with_context(|| format!("start {}", self.bin.display()))?;
+        let child = spawn_logged(&self.bin, &self.args, &self.log)?;
         self.child = Some(child);
         self.starts += 1;
         self.wait_healthy(Duration::from_secs(30)).await

@@ -149,7 +149,7 @@ fn attempt(scope: &str, key: &str, effects: Effects) -> Attempt {
         IdempotencyKey::new(scope, "charge", key).unwrap(),
         Fingerprint::of_json(&json!({"key": key})).unwrap(),
     )
-    .effects(effects)
+    .with_effects(effects)
 }
 
 async fn run<S: Store>(store: &S, attempt: &Attempt) {

@@ -83,8 +83,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
     };
     let layer = IdempotencyLayer::new(Idempotency::new(store))
-        .missing_scope(MissingScope::Fixed("demo".into()))
-        .wait_for_in_flight(Duration::from_secs(2));
+        .with_missing_scope(MissingScope::Fixed("demo".into()))
+        .with_wait_for_in_flight(Duration::from_secs(2));
     let app = Router::new().route("/transfers", post(handler).route_layer(layer));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let url = format!("http://{}/transfers", listener.local_addr()?);
@@ -94,7 +94,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let client = reqwest_middleware::ClientBuilder::new(reqwest::Client::new())
         .with(
             IdempotencyMiddleware::new()
-                .policy(RetryPolicy::default().deadline(Duration::from_secs(10))),
+                .with_policy(RetryPolicy::default().with_deadline(Duration::from_secs(10))),
         )
         .build();
 

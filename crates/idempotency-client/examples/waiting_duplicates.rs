@@ -212,7 +212,9 @@ async fn measure(args: &Args, label: &str, urls: &[String], through_client: bool
         .build()
         .expect("HTTP client");
     let client = idempotency_client::reqwest_middleware::ClientBuilder::new(http.clone())
-        .with(IdempotencyMiddleware::new().policy(RetryPolicy::default().max_attempts(20)))
+        .with(
+            IdempotencyMiddleware::new().with_policy(RetryPolicy::default().with_max_attempts(20)),
+        )
         .build();
     // Warm-up: pools, caches, the layer's estimate of the purchase's duration.
     for i in 0..5 {

@@ -44,7 +44,7 @@
 //! # The key
 //!
 //! * Requests of the keyed methods (default **POST and PATCH**, the methods `idempotency-http`
-//!   protects by default; [`IdempotencyMiddleware::methods`]) get a new key per `send()`:
+//!   protects by default; [`IdempotencyMiddleware::with_methods`]) get a new key per `send()`:
 //!   UUID v4 by default, UUID v7 for keys that sort by time, or your own ([`KeyGenerator`]).
 //!   Other methods get none: a key the server does not read protects nothing.
 //! * A request that already carries an `Idempotency-Key` keeps it: the caller owns the key when it
@@ -107,7 +107,7 @@
 //! server's hint, time taken, pause after), whether the answer was a replay, how many attempts,
 //! and why it stopped. A [`Probe`] extension gives the same outcome when the operation ends in an
 //! error (a transport failure after the last attempt), and
-//! [`IdempotencyMiddleware::on_attempt`] is called after each attempt.
+//! [`IdempotencyMiddleware::with_attempt_observer`] is called after each attempt.
 //!
 //! # Errors
 //!
@@ -119,7 +119,7 @@
 //!
 //! # The server side
 //!
-//! `idempotency_http::IdempotencyLayer::wait_for_in_flight` lets the server hold a duplicate
+//! `idempotency_http::IdempotencyLayer::with_wait_for_in_flight` lets the server hold a duplicate
 //! until the original finishes and answer it with the replay, so that a double click gets two
 //! 201s and no 409 at all; without it, the 409's `Retry-After-Ms` is the layer's estimate of the
 //! operation's duration, and this client waits just that long.

@@ -36,9 +36,9 @@ type Observer = dyn Fn(&Outcome) + Send + Sync;
 /// let client = reqwest_middleware::ClientBuilder::new(reqwest::Client::new())
 ///     .with(
 ///         IdempotencyMiddleware::new()
-///             .methods([reqwest::Method::POST, reqwest::Method::PATCH, reqwest::Method::DELETE])
-///             .key_generator(KeyGenerator::UuidV7)
-///             .policy(RetryPolicy::default().max_attempts(8).deadline(Duration::from_secs(20))),
+///             .with_methods([reqwest::Method::POST, reqwest::Method::PATCH, reqwest::Method::DELETE])
+///             .with_key_generator(KeyGenerator::UuidV7)
+///             .with_policy(RetryPolicy::default().with_max_attempts(8).with_deadline(Duration::from_secs(20))),
 ///     )
 ///     .build();
 /// # let _ = client;
@@ -88,29 +88,29 @@ impl IdempotencyMiddleware {
     /// key the server ignores makes a retry after a lost answer run twice.
     ///
     /// ```
-    /// let middleware = idempotency_client::IdempotencyMiddleware::new().methods([reqwest::Method::POST]);
+    /// let middleware = idempotency_client::IdempotencyMiddleware::new().with_methods([reqwest::Method::POST]);
     /// # let _ = middleware;
     /// ```
-    pub fn methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
+    pub fn with_methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
         self.methods = methods.into_iter().collect();
         self
     }
 
     /// How keys are made (default [`KeyGenerator::UuidV4`]).
-    pub fn key_generator(mut self, generator: KeyGenerator) -> Self {
+    pub fn with_key_generator(mut self, generator: KeyGenerator) -> Self {
         self.generator = generator;
         self
     }
 
     /// How the key is written (default [`KeyFormat::Bare`]).
-    pub fn key_format(mut self, format: KeyFormat) -> Self {
+    pub fn with_key_format(mut self, format: KeyFormat) -> Self {
         self.format = format;
         self
     }
 
     /// Attempts, deadline and backoff (default [`RetryPolicy::default`]); a [`RetryPolicy`]
     /// extension on a request replaces it for that request.
-    pub fn policy(mut self, policy: RetryPolicy) -> Self {
+    pub fn with_policy(mut self, policy: RetryPolicy) -> Self {
         self.policy = policy;
         self
     }
@@ -120,14 +120,17 @@ impl IdempotencyMiddleware {
     /// [`Outcome::stopped`] is set). For logs and metrics; keep it quick.
     ///
     /// ```
-    /// let middleware = idempotency_client::IdempotencyMiddleware::new().on_attempt(|outcome| {
+    /// let middleware = idempotency_client::IdempotencyMiddleware::new().with_attempt_observer(|outcome| {
     ///     if let Some(last) = outcome.attempts.last() {
     ///         eprintln!("key {:?} attempt {}: {:?}", outcome.key, last.number, last.result);
     ///     }
     /// });
     /// # let _ = middleware;
     /// ```
-    pub fn on_attempt(mut self, observe: impl Fn(&Outcome) + Send + Sync + 'static) -> Self {
+    pub fn with_attempt_observer(
+        mut self,
+        observe: impl Fn(&Outcome) + Send + Sync + 'static,
+    ) -> Self {
         self.observer = Some(Arc::new(observe));
         self
     }

@@ -17,6 +17,7 @@ use std::{
 /// assert_eq!(AttemptResult::Status(reqwest::StatusCode::CONFLICT).status(), Some(reqwest::StatusCode::CONFLICT));
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum AttemptResult {
     /// The server answered with this status.
     Status(StatusCode),
@@ -47,6 +48,7 @@ impl AttemptResult {
 /// assert!(!TransportKind::Timeout.request_not_sent());
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum TransportKind {
     /// The connection could not be made: the request was not sent.
     Connect,
@@ -113,6 +115,7 @@ pub struct AttemptRecord {
 /// assert!(!StopReason::MaxAttempts.is_final_answer());
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum StopReason {
     /// A final answer: a success, a replay, or a status that is never retried.
     Answered,

@@ -5,7 +5,7 @@ use std::{fmt, sync::Arc, time::Duration};
 
 /// How long and how often one operation is tried.
 ///
-/// Set it on the middleware ([`IdempotencyMiddleware::policy`](crate::IdempotencyMiddleware::policy))
+/// Set it on the middleware ([`IdempotencyMiddleware::with_policy`](crate::IdempotencyMiddleware::with_policy))
 /// or per request as an extension, which replaces the middleware's for that request:
 ///
 /// ```no_run
@@ -22,7 +22,7 @@ use std::{fmt, sync::Arc, time::Duration};
 /// let policy = RetryPolicy::default();
 /// assert_eq!(policy.max_attempts, 5);
 /// assert_eq!(policy.deadline, Duration::from_secs(30));
-/// let patient = policy.max_attempts(20).deadline(Duration::from_secs(120));
+/// let patient = policy.with_max_attempts(20).with_deadline(Duration::from_secs(120));
 /// assert_eq!(patient.max_attempts, 20);
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -66,14 +66,14 @@ impl RetryPolicy {
         }
     }
 
-    /// Sets [`max_attempts`](Self::max_attempts) (0 counts as 1).
-    pub fn max_attempts(mut self, attempts: u32) -> Self {
+    /// Sets [`max_attempts`](Self::with_max_attempts) (0 counts as 1).
+    pub fn with_max_attempts(mut self, attempts: u32) -> Self {
         self.max_attempts = attempts.max(1);
         self
     }
 
-    /// Sets [`deadline`](Self::deadline).
-    pub fn deadline(mut self, deadline: Duration) -> Self {
+    /// Sets [`deadline`](Self::with_deadline).
+    pub fn with_deadline(mut self, deadline: Duration) -> Self {
         self.deadline = deadline;
         self
     }
@@ -83,10 +83,10 @@ impl RetryPolicy {
     ///
     /// ```
     /// use std::time::Duration;
-    /// let policy = idempotency_client::RetryPolicy::default().backoff(Duration::from_millis(20), Duration::from_secs(1));
+    /// let policy = idempotency_client::RetryPolicy::default().with_backoff(Duration::from_millis(20), Duration::from_secs(1));
     /// assert_eq!(policy.backoff_min, Duration::from_millis(20));
     /// ```
-    pub fn backoff(mut self, min: Duration, max: Duration) -> Self {
+    pub fn with_backoff(mut self, min: Duration, max: Duration) -> Self {
         self.backoff_min = min;
         self.backoff_max = max.max(min);
         self
@@ -124,6 +124,7 @@ impl RetryPolicy {
 /// assert_eq!(custom.generate(), "job-0");
 /// ```
 #[derive(Clone, Default)]
+#[non_exhaustive]
 pub enum KeyGenerator {
     /// A random UUID v4 (default): 122 random bits, unguessable, unordered.
     #[default]
@@ -170,6 +171,7 @@ impl fmt::Debug for KeyGenerator {
 /// assert_eq!(KeyFormat::StructuredField.render("say \"hi\""), "\"say \\\"hi\\\"\"");
 /// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum KeyFormat {
     /// The bare value, as Stripe and most SDKs send it (default): `Idempotency-Key: 8e03…`.
     #[default]
@@ -214,6 +216,7 @@ impl KeyFormat {
 /// # Ok(()) }
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum RequestKey {
     /// Send this key with every attempt.
     Use(String),

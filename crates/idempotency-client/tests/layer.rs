@@ -57,9 +57,9 @@ async fn app_on<S: Store>(
         }
     };
     let mut layer = IdempotencyLayer::new(Idempotency::new(store))
-        .missing_scope(MissingScope::Fixed("tests".into()));
+        .with_missing_scope(MissingScope::Fixed("tests".into()));
     if let Some(bound) = wait {
-        layer = layer.wait_for_in_flight(bound);
+        layer = layer.with_wait_for_in_flight(bound);
     }
     let router = Router::new().route("/work", post(handler).route_layer(layer));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -108,7 +108,7 @@ async fn app(
 
 fn client(policy: RetryPolicy) -> ClientWithMiddleware {
     reqwest_middleware::ClientBuilder::new(reqwest::Client::new())
-        .with(IdempotencyMiddleware::new().policy(policy))
+        .with(IdempotencyMiddleware::new().with_policy(policy))
         .build()
 }
 

@@ -211,7 +211,7 @@ async fn a_replayed_answer_is_final_whatever_its_status() {
 #[tokio::test]
 async fn max_attempts_is_respected() {
     let server = serve().await;
-    let client = client(fast().max_attempts(4));
+    let client = client(fast().with_max_attempts(4));
     let response = client
         .post(format!("{}/status/503", server.url))
         .send()
@@ -239,7 +239,7 @@ async fn max_attempts_is_respected() {
 async fn the_deadline_is_respected() {
     let server = serve().await;
     let deadline = Duration::from_millis(350);
-    let client = client(fast().max_attempts(100).deadline(deadline));
+    let client = client(fast().with_max_attempts(100).with_deadline(deadline));
     let started = Instant::now();
     let response = client
         .post(format!(
@@ -277,7 +277,7 @@ async fn the_deadline_is_respected() {
 #[tokio::test]
 async fn the_deadline_cuts_a_hanging_attempt() {
     let server = serve().await;
-    let client = client(fast().deadline(Duration::from_millis(300)));
+    let client = client(fast().with_deadline(Duration::from_millis(300)));
     // Without a timeout of its own: the middleware's deadline error.
     let started = Instant::now();
     let error = client
@@ -355,10 +355,10 @@ async fn keys_only_on_the_configured_methods() {
     let server = serve().await;
     let post_only = client_with(
         IdempotencyMiddleware::new()
-            .methods([Method::POST])
-            .key_generator(KeyGenerator::UuidV7)
-            .key_format(KeyFormat::StructuredField)
-            .policy(fast()),
+            .with_methods([Method::POST])
+            .with_key_generator(KeyGenerator::UuidV7)
+            .with_key_format(KeyFormat::StructuredField)
+            .with_policy(fast()),
     );
     let url = format!("{}/status/200", server.url);
     post_only.post(&url).send().await.unwrap();
@@ -447,9 +447,9 @@ async fn connection_refused_is_retried_until_the_server_is_back() {
     });
     let client = client(
         RetryPolicy::default()
-            .max_attempts(50)
-            .backoff(Duration::from_millis(20), Duration::from_millis(50))
-            .deadline(Duration::from_secs(10)),
+            .with_max_attempts(50)
+            .with_backoff(Duration::from_millis(20), Duration::from_millis(50))
+            .with_deadline(Duration::from_secs(10)),
     );
     let probe = Probe::new();
     let response = client
@@ -558,14 +558,16 @@ async fn the_observer_sees_every_attempt() {
     let server = serve().await;
     let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
     let record = seen.clone();
-    let client = client_with(IdempotencyMiddleware::new().policy(fast()).on_attempt(
-        move |outcome| {
-            record
-                .lock()
-                .unwrap()
-                .push((outcome.attempt_count(), outcome.stopped))
-        },
-    ));
+    let client = client_with(
+        IdempotencyMiddleware::new()
+            .with_policy(fast())
+            .with_attempt_observer(move |outcome| {
+                record
+                    .lock()
+                    .unwrap()
+                    .push((outcome.attempt_count(), outcome.stopped))
+            }),
+    );
     client
         .post(format!("{}/status/503?succeed_after=2", server.url))
         .send()

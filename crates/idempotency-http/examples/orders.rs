@@ -52,7 +52,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .await?;
 
     // Every caller of this demo is one user; a real service reads the authenticated user.
-    let layer = IdempotencyLayer::new(Idempotency::new(store.clone())).scope_from(|parts| {
+    let layer = IdempotencyLayer::new(Idempotency::new(store.clone())).with_scope_from(|parts| {
         parts
             .headers
             .get("x-user")?

@@ -1,7 +1,7 @@
 //! [`Disposition`]: a handler's own word on what happens to the key after its response.
 //!
-//! The layer decides by status ([`store_response_if`](crate::IdempotencyLayer::store_response_if),
-//! [`on_unstored_response`](crate::IdempotencyLayer::on_unstored_response)). A handler that knows
+//! The layer decides by status ([`store_response_if`](crate::IdempotencyLayer::with_store_response_if),
+//! [`on_unstored_response`](crate::IdempotencyLayer::with_after_unstored_response)). A handler that knows
 //! better for one response (a 402 refusal that is final and must be replayed, a 502 after which
 //! a mail may or may not have gone out) puts a [`Disposition`] into the response's extensions,
 //! and the layer follows it instead.
@@ -73,6 +73,7 @@ pub fn is_definitive(status: StatusCode) -> bool {
 /// assert!(matches!(parked.extensions().get::<Disposition>(), Some(Disposition::Park(_))));
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Disposition {
     /// A definitive answer: complete the key with this response and replay it to every retry
     /// (whatever its status). The handler's writes commit with it after a 2xx or 3xx

@@ -19,6 +19,7 @@ use std::time::Duration;
 /// assert_eq!(problem.type_uri, "https://idempotency.dev/problems/key-reused");
 /// ```
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum IdempotencyRejection {
     /// The route requires a key and the request has none (400).
     #[error("this request needs an Idempotency-Key header")]
@@ -182,7 +183,25 @@ impl IdempotencyRejection {
     /// assert_eq!(response.headers()["retry-after-ms"], "40");
     /// ```
     pub fn to_response(&self) -> http::Response<axum::body::Body> {
-        let mut response = self.to_problem().into_http_response();
+        self.to_response_under(crate::problem::DEFAULT_BASE)
+    }
+
+    /// [`to_response`](Self::to_response) with the problem `type` under another base URI (see
+    /// [`IdempotencyLayer::with_problem_base`](crate::IdempotencyLayer::with_problem_base)).
+    ///
+    /// ```
+    /// # use idempotency_http::IdempotencyRejection;
+    /// let response = IdempotencyRejection::KeyReused.to_response_under("https://errors.example.com/");
+    /// assert_eq!(response.status(), 422);
+    /// ```
+    pub fn to_response_under(&self, base: &str) -> http::Response<axum::body::Body> {
+        let mut problem = self.to_problem();
+        if base != crate::problem::DEFAULT_BASE {
+            if let Some(slug) = problem.type_uri.strip_prefix(crate::problem::DEFAULT_BASE) {
+                problem.type_uri = format!("{base}{slug}");
+            }
+        }
+        let mut response = problem.into_http_response();
         if let Some(retry_after) = self.retry_after() {
             let millis = u64::try_from(retry_after.as_millis())
                 .unwrap_or(u64::MAX)
@@ -236,6 +255,7 @@ impl IdempotencyRejection {
             Error::Store(e) => Self::Internal(e.to_string()),
             Error::Serialization(e) => Self::Internal(e.to_string()),
             Error::Operation(never) => match never {},
+            other => Self::Internal(other.to_string()),
         }
     }
 }

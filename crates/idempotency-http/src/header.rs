@@ -26,7 +26,7 @@ pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-
 
 /// `Idempotency-Key-Retention: <seconds>`, optionally added to protected responses: how long after
 /// completion the key and its response are remembered (see
-/// [`IdempotencyLayer::expiry_header`](crate::IdempotencyLayer::expiry_header)).
+/// [`IdempotencyLayer::with_retention_header`](crate::IdempotencyLayer::with_retention_header)).
 ///
 /// ```
 /// assert_eq!(idempotency_http::header::IDEMPOTENCY_KEY_RETENTION, "idempotency-key-retention");
@@ -56,6 +56,7 @@ pub const RETRY_AFTER_MS: HeaderName = HeaderName::from_static("retry-after-ms")
 /// assert!(matches!(parse_idempotency_key(&value), Err(KeyHeaderError::MalformedString(_))));
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum KeyHeaderError {
     /// The request carries the header more than once.
     #[error("the Idempotency-Key header is sent more than once")]

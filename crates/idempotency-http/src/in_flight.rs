@@ -1,5 +1,5 @@
 //! A duplicate that arrives while the original still runs: waiting for it
-//! ([`IdempotencyLayer::wait_for_in_flight`](crate::IdempotencyLayer::wait_for_in_flight)), and
+//! ([`IdempotencyLayer::with_wait_for_in_flight`](crate::IdempotencyLayer::with_wait_for_in_flight)), and
 //! the retry hint of the 409 answered when it is not waited for (or does not finish in time).
 //!
 //! # Waiting
@@ -128,7 +128,8 @@ pub(crate) async fn reserve<S: Store>(
                 count(operation, WAIT_SETTLED);
                 reserved = engine.reserve(attempt).await;
             }
-            Ok(Ok(Awaited::TimedOut)) | Err(_) => {
+            // (A future kind of wait's end counts as a timeout: the reservation stands.)
+            Ok(Ok(_)) | Err(_) => {
                 count(operation, WAIT_TIMED_OUT);
                 return reserved;
             }

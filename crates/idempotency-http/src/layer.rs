@@ -22,6 +22,7 @@ pub const DEFAULT_BODY_LIMIT: usize = 1024 * 1024;
 /// assert_eq!(KeyRequirement::default(), KeyRequirement::Required);
 /// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum KeyRequirement {
     /// A request without the header is refused with 400 (`key-missing`).
     #[default]
@@ -38,6 +39,7 @@ pub enum KeyRequirement {
 /// assert_ne!(shared, MissingScope::Reject);
 /// ```
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum MissingScope {
     /// Refuse with 401 (`scope-missing`).
     #[default]
@@ -86,7 +88,11 @@ pub(crate) struct Settings<S> {
     pub(crate) store_response_if: Arc<StatusPredicate>,
     /// `None`: the default, by effects (release local work, leave external work pending).
     pub(crate) after_unstored: Option<Arc<AfterUnstored>>,
-    pub(crate) expiry_header: bool,
+    pub(crate) retention_header: bool,
+    /// The header marking a replayed response (default `Idempotent-Replayed`).
+    pub(crate) replay_header: HeaderName,
+    /// The base of the problem `type` URIs (default [`crate::problem::DEFAULT_BASE`]).
+    pub(crate) problem_base: Arc<str>,
     pub(crate) detach: bool,
     pub(crate) wait_for_in_flight: Option<Duration>,
     /// How long executions take, per operation, for the 409's retry hint; shared by clones.
@@ -111,7 +117,9 @@ impl<S: Clone> Clone for Settings<S> {
             body_limit: self.body_limit,
             store_response_if: self.store_response_if.clone(),
             after_unstored: self.after_unstored.clone(),
-            expiry_header: self.expiry_header,
+            retention_header: self.retention_header,
+            replay_header: self.replay_header.clone(),
+            problem_base: self.problem_base.clone(),
             detach: self.detach,
             wait_for_in_flight: self.wait_for_in_flight,
             estimates: self.estimates.clone(),
@@ -130,7 +138,7 @@ impl<S: Clone> Clone for Settings<S> {
 /// headers in the fingerprint, 1 MiB body limit, definitive responses stored
 /// ([`is_definitive`](crate::is_definitive): only 2xx and 3xx commit the handler's writes),
 /// [`Effects::Local`], no waiting for a duplicate's original
-/// ([`wait_for_in_flight`](Self::wait_for_in_flight)), and the lease and retention of the
+/// ([`wait_for_in_flight`](Self::with_wait_for_in_flight)), and the lease and retention of the
 /// [`Idempotency`] engine.
 ///
 /// ```no_run
@@ -145,14 +153,14 @@ impl<S: Clone> Clone for Settings<S> {
 ///     .with_lease(Duration::from_secs(30))
 ///     .with_retention(Duration::from_secs(24 * 3600));
 /// let layer = IdempotencyLayer::new(engine)
-///     .methods([Method::POST])
-///     .key_requirement(KeyRequirement::Required)
-///     .scope_from(|parts| parts.headers.get("x-user-id")?.to_str().ok().map(str::to_owned))
-///     .missing_scope(MissingScope::Reject)
-///     .fingerprint_headers([HeaderName::from_static("x-currency")])
-///     .stored_headers([HeaderName::from_static("x-order-id")])
-///     .body_limit(64 * 1024)
-///     .effects(Effects::External);
+///     .with_methods([Method::POST])
+///     .with_key_requirement(KeyRequirement::Required)
+///     .with_scope_from(|parts| parts.headers.get("x-user-id")?.to_str().ok().map(str::to_owned))
+///     .with_missing_scope(MissingScope::Reject)
+///     .with_fingerprint_headers([HeaderName::from_static("x-currency")])
+///     .with_stored_headers([HeaderName::from_static("x-order-id")])
+///     .with_body_limit(64 * 1024)
+///     .with_effects(Effects::External);
 /// let app: Router = Router::new()
 ///     .route("/payments", post(|| async { "paid" }))
 ///     .route_layer(layer);
@@ -220,7 +228,9 @@ impl<S: Store> IdempotencyLayer<S> {
                 body_limit: DEFAULT_BODY_LIMIT,
                 store_response_if: Arc::new(crate::is_definitive),
                 after_unstored: None,
-                expiry_header: false,
+                retention_header: false,
+                replay_header: crate::header::IDEMPOTENT_REPLAYED,
+                problem_base: Arc::from(crate::problem::DEFAULT_BASE),
                 detach: false,
                 wait_for_in_flight: None,
                 estimates: Arc::default(),
@@ -233,10 +243,10 @@ impl<S: Store> IdempotencyLayer<S> {
     ///
     /// ```no_run
     /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::store::sqlite::SqliteStore>) {
-    /// let layer = layer.methods([http::Method::POST, http::Method::PATCH, http::Method::DELETE]);
+    /// let layer = layer.with_methods([http::Method::POST, http::Method::PATCH, http::Method::DELETE]);
     /// # }
     /// ```
-    pub fn methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
+    pub fn with_methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
         self.settings.methods = methods.into_iter().collect();
         self
     }
@@ -245,10 +255,10 @@ impl<S: Store> IdempotencyLayer<S> {
     ///
     /// ```no_run
     /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::store::sqlite::SqliteStore>) {
-    /// let layer = layer.key_requirement(idempotency_http::KeyRequirement::Optional);
+    /// let layer = layer.with_key_requirement(idempotency_http::KeyRequirement::Optional);
     /// # }
     /// ```
-    pub fn key_requirement(mut self, requirement: KeyRequirement) -> Self {
+    pub fn with_key_requirement(mut self, requirement: KeyRequirement) -> Self {
         self.settings.key_requirement = requirement;
         self
     }
@@ -261,10 +271,10 @@ impl<S: Store> IdempotencyLayer<S> {
     /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::store::sqlite::SqliteStore>) {
     /// #[derive(Clone)]
     /// struct User { id: u64 }
-    /// let layer = layer.scope_from(|parts| parts.extensions.get::<User>().map(|u| format!("user-{}", u.id)));
+    /// let layer = layer.with_scope_from(|parts| parts.extensions.get::<User>().map(|u| format!("user-{}", u.id)));
     /// # }
     /// ```
-    pub fn scope_from(
+    pub fn with_scope_from(
         mut self,
         scope: impl Fn(&Parts) -> Option<String> + Send + Sync + 'static,
     ) -> Self {
@@ -276,10 +286,10 @@ impl<S: Store> IdempotencyLayer<S> {
     ///
     /// ```no_run
     /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::store::sqlite::SqliteStore>) {
-    /// let layer = layer.missing_scope(idempotency_http::MissingScope::Fixed("public".into()));
+    /// let layer = layer.with_missing_scope(idempotency_http::MissingScope::Fixed("public".into()));
     /// # }
     /// ```
-    pub fn missing_scope(mut self, missing: MissingScope) -> Self {
+    pub fn with_missing_scope(mut self, missing: MissingScope) -> Self {
         self.settings.missing_scope = missing;
         self
     }
@@ -288,10 +298,10 @@ impl<S: Store> IdempotencyLayer<S> {
     ///
     /// ```no_run
     /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::store::sqlite::SqliteStore>) {
-    /// let layer = layer.operation("purchase");
+    /// let layer = layer.with_operation("purchase");
     /// # }
     /// ```
-    pub fn operation(mut self, operation: impl Into<String>) -> Self {
+    pub fn with_operation(mut self, operation: impl Into<String>) -> Self {
         self.settings.operation = OperationSource::Fixed(operation.into());
         self
     }
@@ -317,10 +327,10 @@ impl<S: Store> IdempotencyLayer<S> {
     ///
     /// ```no_run
     /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::store::sqlite::SqliteStore>) {
-    /// let layer = layer.effects(idempotency::Effects::External);
+    /// let layer = layer.with_effects(idempotency::Effects::External);
     /// # }
     /// ```
-    pub fn effects(mut self, effects: Effects) -> Self {
+    pub fn with_effects(mut self, effects: Effects) -> Self {
         self.settings.effects = effects;
         self
     }
@@ -328,16 +338,16 @@ impl<S: Store> IdempotencyLayer<S> {
     /// Declares that the handler runs a durable operation through [`KeyLease`](crate::KeyLease)
     /// and [`Idempotency::perform_reserved`](idempotency::Idempotency::perform_reserved), so it
     /// makes no outside call before a recovery point is committed (default `false`). The
-    /// reservation is then not flushed on its own ([`Attempt::journaled`](idempotency::Attempt::journaled)),
+    /// reservation is then not flushed on its own ([`Attempt::with_journaled`](idempotency::Attempt::with_journaled)),
     /// and an answer given before the handler took the lease (a rejected body, a failed check)
     /// releases the key even with [`Effects::External`]: nothing can have gone out.
     ///
     /// ```no_run
     /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::store::postgres::PgStore>) {
-    /// let layer = layer.effects(idempotency::Effects::External).journaled(true);
+    /// let layer = layer.with_effects(idempotency::Effects::External).with_journaled(true);
     /// # }
     /// ```
-    pub fn journaled(mut self, journaled: bool) -> Self {
+    pub fn with_journaled(mut self, journaled: bool) -> Self {
         self.settings.journaled = journaled;
         self
     }
@@ -347,10 +357,13 @@ impl<S: Store> IdempotencyLayer<S> {
     ///
     /// ```no_run
     /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::store::sqlite::SqliteStore>) {
-    /// let layer = layer.fingerprint_headers([http::HeaderName::from_static("x-currency")]);
+    /// let layer = layer.with_fingerprint_headers([http::HeaderName::from_static("x-currency")]);
     /// # }
     /// ```
-    pub fn fingerprint_headers(mut self, headers: impl IntoIterator<Item = HeaderName>) -> Self {
+    pub fn with_fingerprint_headers(
+        mut self,
+        headers: impl IntoIterator<Item = HeaderName>,
+    ) -> Self {
         self.settings.fingerprint_headers = headers.into_iter().collect();
         self
     }
@@ -360,10 +373,10 @@ impl<S: Store> IdempotencyLayer<S> {
     ///
     /// ```no_run
     /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::store::sqlite::SqliteStore>) {
-    /// let layer = layer.stored_headers([http::HeaderName::from_static("x-order-id")]);
+    /// let layer = layer.with_stored_headers([http::HeaderName::from_static("x-order-id")]);
     /// # }
     /// ```
-    pub fn stored_headers(mut self, headers: impl IntoIterator<Item = HeaderName>) -> Self {
+    pub fn with_stored_headers(mut self, headers: impl IntoIterator<Item = HeaderName>) -> Self {
         self.settings.stored_headers = headers.into_iter().collect();
         self
     }
@@ -373,10 +386,10 @@ impl<S: Store> IdempotencyLayer<S> {
     ///
     /// ```no_run
     /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::store::sqlite::SqliteStore>) {
-    /// let layer = layer.body_limit(16 * 1024);
+    /// let layer = layer.with_body_limit(16 * 1024);
     /// # }
     /// ```
-    pub fn body_limit(mut self, bytes: usize) -> Self {
+    pub fn with_body_limit(mut self, bytes: usize) -> Self {
         self.settings.body_limit = bytes;
         self
     }
@@ -386,17 +399,17 @@ impl<S: Store> IdempotencyLayer<S> {
     /// 429). Whatever is stored, the handler's writes commit only after a 2xx or 3xx
     /// ([`commits_writes`](crate::commits_writes)); a stored 4xx is stored in a short transaction
     /// of its own. The others roll back, and the key goes as
-    /// [`on_unstored_response`](Self::on_unstored_response) says. A
+    /// [`on_unstored_response`](Self::with_after_unstored_response) says. A
     /// [`Disposition`](crate::Disposition) in a response's extensions overrides this for that
     /// response.
     ///
     /// ```no_run
     /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::store::sqlite::SqliteStore>) {
     /// // Only successes: every 4xx may be retried.
-    /// let layer = layer.store_response_if(|status| status.is_success());
+    /// let layer = layer.with_store_response_if(|status| status.is_success());
     /// # }
     /// ```
-    pub fn store_response_if(
+    pub fn with_store_response_if(
         mut self,
         predicate: impl Fn(StatusCode) -> bool + Send + Sync + 'static,
     ) -> Self {
@@ -405,7 +418,7 @@ impl<S: Store> IdempotencyLayer<S> {
     }
 
     /// What happens to the key after a response that is not stored. The default depends on
-    /// [`effects`](Self::effects): [`Effects::Local`] work is released, so a retry runs again;
+    /// [`effects`](Self::with_effects): [`Effects::Local`] work is released, so a retry runs again;
     /// [`Effects::External`] work is **never released** by default (its outside effect may have
     /// happened): the key stays pending, and the recovery job settles it after its lease (asking
     /// the provider, or parking it). The same holds after a panic. With this setting the
@@ -416,13 +429,13 @@ impl<S: Store> IdempotencyLayer<S> {
     /// ```no_run
     /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::store::sqlite::SqliteStore>) {
     /// use idempotency::AfterError;
-    /// let layer = layer.on_unstored_response(|status| match status.as_u16() {
+    /// let layer = layer.with_after_unstored_response(|status| match status.as_u16() {
     ///     502 | 504 => AfterError::Park(format!("payment provider answered {status}")),
     ///     _ => AfterError::Release,
     /// });
     /// # }
     /// ```
-    pub fn on_unstored_response(
+    pub fn with_after_unstored_response(
         mut self,
         decide: impl Fn(StatusCode) -> AfterError + Send + Sync + 'static,
     ) -> Self {
@@ -435,11 +448,40 @@ impl<S: Store> IdempotencyLayer<S> {
     ///
     /// ```no_run
     /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::store::sqlite::SqliteStore>) {
-    /// let layer = layer.expiry_header(true);
+    /// let layer = layer.with_retention_header(true);
     /// # }
     /// ```
-    pub fn expiry_header(mut self, enabled: bool) -> Self {
-        self.settings.expiry_header = enabled;
+    pub fn with_retention_header(mut self, enabled: bool) -> Self {
+        self.settings.retention_header = enabled;
+        self
+    }
+
+    /// The header that marks a replayed response with `true` (default
+    /// [`Idempotent-Replayed`](crate::header::IDEMPOTENT_REPLAYED), as Stripe and the IETF
+    /// draft's examples use; the draft has not settled on a name, and some clients expect
+    /// another, such as `Idempotency-Replayed`).
+    ///
+    /// ```no_run
+    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::store::sqlite::SqliteStore>) {
+    /// let layer = layer.with_replay_header(http::HeaderName::from_static("idempotency-replayed"));
+    /// # }
+    /// ```
+    pub fn with_replay_header(mut self, header: HeaderName) -> Self {
+        self.settings.replay_header = header;
+        self
+    }
+
+    /// Puts the `type` URIs of the layer's problems under `base` instead of
+    /// [`DEFAULT_BASE`](crate::problem::DEFAULT_BASE): `{base}key-reused`, `{base}in-progress` …
+    /// (end it with `/`). Clients match on the slug after the base.
+    ///
+    /// ```no_run
+    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::store::sqlite::SqliteStore>) {
+    /// let layer = layer.with_problem_base("https://api.shop.example/problems/idempotency/");
+    /// # }
+    /// ```
+    pub fn with_problem_base(mut self, base: impl Into<String>) -> Self {
+        self.settings.problem_base = Arc::from(base.into());
         self
     }
 
@@ -456,10 +498,10 @@ impl<S: Store> IdempotencyLayer<S> {
     ///
     /// ```no_run
     /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::store::sqlite::SqliteStore>) {
-    /// let layer = layer.detach(true);
+    /// let layer = layer.with_detach(true);
     /// # }
     /// ```
-    pub fn detach(mut self, enabled: bool) -> Self {
+    pub fn with_detach(mut self, enabled: bool) -> Self {
         self.settings.detach = enabled;
         self
     }
@@ -481,10 +523,10 @@ impl<S: Store> IdempotencyLayer<S> {
     ///
     /// ```no_run
     /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::store::sqlite::SqliteStore>) {
-    /// let layer = layer.wait_for_in_flight(std::time::Duration::from_secs(2));
+    /// let layer = layer.with_wait_for_in_flight(std::time::Duration::from_secs(2));
     /// # }
     /// ```
-    pub fn wait_for_in_flight(mut self, bound: Duration) -> Self {
+    pub fn with_wait_for_in_flight(mut self, bound: Duration) -> Self {
         self.settings.wait_for_in_flight = (!bound.is_zero()).then_some(bound);
         self
     }

@@ -15,14 +15,14 @@
 //!    never see each other's responses.
 //! 4. The **operation** is `METHOD /route/{template}` from axum's
 //!    [`MatchedPath`](axum::extract::MatchedPath) (so attach the layer with
-//!    `Router::route_layer`), or a fixed name ([`IdempotencyLayer::operation`]).
+//!    `Router::route_layer`), or a fixed name ([`IdempotencyLayer::with_operation`]).
 //! 5. Reads the body (over the limit, default 1 MiB → 413) and **fingerprints** method, path and
 //!    query, the configured headers, and the body (canonical JSON, RFC 8785, for JSON content
 //!    types, where a body that is not JSON → 400; raw bytes otherwise). Nothing is reserved before
 //!    this point.
 //! 6. **Reserves** the key (committed on its own). Completed before → replay. Same key, other
 //!    fingerprint → 422. Still running → 409 with `Retry-After` and `Retry-After-Ms`, or, with
-//!    [`IdempotencyLayer::wait_for_in_flight`], a bounded wait for the original and then its
+//!    [`IdempotencyLayer::with_wait_for_in_flight`], a bounded wait for the original and then its
 //!    stored response ([`in_flight`]). Parked → 409. Store unreachable → 503, and the handler is
 //!    **not** run.
 //! 7. Runs the handler. If it extracts [`IdempotentTx`], the business transaction is begun then
@@ -38,7 +38,7 @@
 //!    all. Any other response rolls the writes back. A definitive client error
 //!    ([`is_definitive`]: 4xx except 404, 408, 409, 425, 429) is still stored and replayed, in a
 //!    short transaction of its own. The rest (a transient 4xx, a 5xx, a panic) release the key
-//!    so a retry runs again, except for [`Effects::External`](idempotency::Effects::External)
+//!    so a retry runs again, except for [`Effects::External`]
 //!    work, whose key is never released by default: it stays pending for the recovery job.
 //!
 //!    | status | handler's writes | key |
@@ -57,14 +57,14 @@
 //! [`KeyLease`] extractor and settles the key itself
 //! ([`Idempotency::perform_reserved`](idempotency::Idempotency::perform_reserved)); the layer
 //! then stores and releases nothing after it. Configure such a route with
-//! [`Effects::External`](idempotency::Effects::External).
+//! [`Effects::External`].
 //!
 //! Protected responses are buffered whole (to be stored), so do not protect streaming routes.
 //!
 //! A client that hangs up cancels the request. A reservation in flight is finished and
 //! released in the background (see [`idempotency::Idempotency::reserve`]); a handler that was
 //! running is dropped, its transaction rolls back and a local key is released, so the retry runs
-//! it again. With [`IdempotencyLayer::detach`] the handler runs in a task of its own instead and
+//! it again. With [`IdempotencyLayer::with_detach`] the handler runs in a task of its own instead and
 //! finishes whatever the client does; its retry gets the stored response.
 //!
 //! Refusals are `application/problem+json` (RFC 9457, [`Problem`], [`problem::types`]).
@@ -87,7 +87,7 @@
 //! recover`) or an operator may. A completed key and its stored response are kept for the
 //! **retention** (default 24 h, [`IdempotencyLayer::with_retention`]), counted from completion;
 //! after that the same key is a new request (rows are purged by `idem purge`). With
-//! [`IdempotencyLayer::expiry_header`] protected responses carry
+//! [`IdempotencyLayer::with_retention_header`] protected responses carry
 //! `Idempotency-Key-Retention: <seconds>`.
 //!
 //! # Observability
@@ -142,7 +142,7 @@
 //!     let store = PgStore::new(pool);
 //!     store.migrate().await?;
 //!     let idempotency = IdempotencyLayer::new(Idempotency::new(store))
-//!         .key_requirement(KeyRequirement::Required);
+//!         .with_key_requirement(KeyRequirement::Required);
 //!     let app = Router::new()
 //!         .route("/orders", post(create_order))
 //!         .route_layer(idempotency)
@@ -160,17 +160,17 @@
 #[doc = include_str!("../README.md")]
 struct ReadmeDoctests;
 
-pub mod disposition;
-pub mod error;
+mod disposition;
+mod error;
 pub mod header;
 pub mod in_flight;
-pub mod layer;
-pub mod lease;
+mod layer;
+mod lease;
 pub mod metrics;
 pub mod problem;
-pub mod service;
-pub mod stored;
-pub mod tx;
+mod service;
+mod stored;
+mod tx;
 
 pub use disposition::{commits_writes, is_definitive, Disposition};
 pub use error::IdempotencyRejection;
@@ -180,7 +180,7 @@ pub use layer::{
 pub use lease::{KeyLease, LeaseRejection};
 pub use problem::Problem;
 pub use service::{IdempotencyService, ResponseFuture};
-pub use stored::StoredResponse;
+pub use stored::{StoredResponse, ALWAYS_STORED, NEVER_STORED};
 pub use tx::{IdempotentTx, TxRejection};
 
 pub use idempotency::{Effects, Idempotency};

@@ -14,7 +14,14 @@ use std::time::Duration;
 /// The media type of problem documents.
 pub const PROBLEM_JSON: &str = "application/problem+json";
 
-/// The stable `type` URIs of the problems this crate answers with.
+/// The default base of the layer's problem `type` URIs: each type is this base followed by a
+/// slug (`key-reused`, `in-progress` …). The URIs are identifiers, not documents: nothing is
+/// served there. Put the types under a base you control, where you can document them for your
+/// clients, with [`IdempotencyLayer::with_problem_base`](crate::IdempotencyLayer::with_problem_base);
+/// the slugs stay the same.
+pub const DEFAULT_BASE: &str = "https://idempotency.dev/problems/";
+
+/// The stable `type` URIs of the problems this crate answers with (under [`DEFAULT_BASE`]).
 ///
 /// ```
 /// use idempotency_http::problem::types;
@@ -164,10 +171,60 @@ impl IntoResponse for Problem {
     }
 }
 
+/// axum's refusal of a JSON body (wrong content type, syntax error, wrong shape) as a problem
+/// document with the same status (400, 415 or 422), the RFC's generic type `about:blank` with
+/// the status's reason phrase as title, and axum's explanation as `detail`; so that a service's
+/// own validation errors come in the same format as the layer's.
+///
+/// ```
+/// use axum::{extract::rejection::JsonRejection, response::IntoResponse, Json};
+/// use idempotency_http::Problem;
+///
+/// #[derive(serde::Deserialize)]
+/// struct NewOrder { sku: String }
+///
+/// async fn create(order: Result<Json<NewOrder>, JsonRejection>) -> Result<String, Problem> {
+///     let Json(order) = order?; // `?` turns the rejection into a problem+json answer
+///     Ok(order.sku)
+/// }
+/// ```
+impl From<axum::extract::rejection::JsonRejection> for Problem {
+    fn from(rejection: axum::extract::rejection::JsonRejection) -> Self {
+        let status = rejection.status();
+        Problem::new(
+            status,
+            "about:blank",
+            status.canonical_reason().unwrap_or("Invalid JSON body"),
+        )
+        .with_detail(rejection.body_text())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use http_body_util::BodyExt;
+
+    #[tokio::test]
+    async fn a_json_rejection_is_a_problem_with_its_status() {
+        use axum::{extract::FromRequest, Json};
+        let request = http::Request::builder()
+            .method("POST")
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(Body::from("{not json"))
+            .unwrap();
+        let rejection = Json::<serde_json::Value>::from_request(request, &())
+            .await
+            .expect_err("not JSON");
+        let response = Problem::from(rejection).into_http_response();
+        assert_eq!(response.status(), StatusCode::BAD_REQUEST);
+        assert_eq!(response.headers()[header::CONTENT_TYPE], PROBLEM_JSON);
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        let document: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(document["type"], "about:blank");
+        assert_eq!(document["title"], "Bad Request");
+        assert!(document["detail"].as_str().unwrap().contains("JSON"));
+    }
 
     #[tokio::test]
     async fn problem_document_has_rfc9457_members() {

@@ -62,7 +62,7 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 ///     async move { Ok::<_, std::convert::Infallible>(Response::new(Body::from(format!("run {n}")))) }
 /// });
 /// let service = IdempotencyLayer::new(Idempotency::new(store))
-///     .missing_scope(MissingScope::Fixed("everyone".into()))
+///     .with_missing_scope(MissingScope::Fixed("everyone".into()))
 ///     .layer(handler);
 /// for _ in 0..3 {
 ///     let request = Request::post("/jobs").header("idempotency-key", "job-1").body(Body::from("x")).unwrap();
@@ -176,14 +176,18 @@ where
         Ok(Some(key)) => key,
         Ok(None) => match settings.key_requirement {
             KeyRequirement::Required => {
-                return Ok(refuse(&operation, IdempotencyRejection::KeyMissing))
+                return Ok(refuse(
+                    &settings.problem_base,
+                    &operation,
+                    IdempotencyRejection::KeyMissing,
+                ))
             }
             KeyRequirement::Optional => {
                 count(&operation, metrics::UNPROTECTED);
                 return run_unprotected(&settings, inner, parts, Body::new(body)).await;
             }
         },
-        Err(invalid) => return Ok(refuse(&operation, invalid.into())),
+        Err(invalid) => return Ok(refuse(&settings.problem_base, &operation, invalid.into())),
     };
     // An empty scope is no scope.
     let found = (settings.scope)(&parts).filter(|scope| !scope.is_empty());
@@ -191,7 +195,11 @@ where
         (Some(scope), _) => scope,
         (None, MissingScope::Fixed(scope)) => scope.clone(),
         (None, MissingScope::Reject) => {
-            return Ok(refuse(&operation, IdempotencyRejection::ScopeMissing))
+            return Ok(refuse(
+                &settings.problem_base,
+                &operation,
+                IdempotencyRejection::ScopeMissing,
+            ))
         }
     };
     let span = tracing::info_span!("idempotency", %scope, %operation, method = %parts.method);
@@ -225,6 +233,7 @@ where
         Ok(key) => key,
         Err(invalid) => {
             return Ok(refuse(
+                &settings.problem_base,
                 &operation,
                 IdempotencyRejection::Internal(invalid.to_string()),
             ))
@@ -235,15 +244,15 @@ where
     // The body, within the limit, then what the request asks for. Nothing is reserved yet.
     let body = match read_body(body, &parts.headers, settings.body_limit).await {
         Ok(body) => body,
-        Err(rejection) => return Ok(refuse(op, rejection)),
+        Err(rejection) => return Ok(refuse(&settings.problem_base, op, rejection)),
     };
     let fingerprint = match fingerprint(&parts, &settings.fingerprint_headers, &body) {
         Ok(fingerprint) => fingerprint,
-        Err(rejection) => return Ok(refuse(op, rejection)),
+        Err(rejection) => return Ok(refuse(&settings.problem_base, op, rejection)),
     };
     let attempt = Attempt::new(key, fingerprint)
-        .effects(settings.effects)
-        .journaled(settings.journaled);
+        .with_effects(settings.effects)
+        .with_journaled(settings.journaled);
 
     if !settings.detach {
         // 1. Reserve the key, committed on its own (a replay is read first); a duplicate of a
@@ -273,11 +282,18 @@ where
         match engine.replay(&attempt).await {
             Ok(Some(bytes)) => return Ok(replay(&settings, op, &bytes)),
             Ok(None) => {}
-            Err(error) => return Ok(refuse(op, IdempotencyRejection::from_engine(error))),
+            Err(error) => {
+                return Ok(refuse(
+                    &settings.problem_base,
+                    op,
+                    IdempotencyRejection::from_engine(error),
+                ))
+            }
         }
     }
     let engine = engine.clone().with_replay_first(false);
     let name = operation.clone();
+    let problem_base = settings.problem_base.clone();
     let work = async move {
         let reserved = in_flight::reserve(
             &engine,
@@ -293,6 +309,7 @@ where
         Ok(answer) => answer,
         Err(error) if error.is_panic() => std::panic::resume_unwind(error.into_panic()),
         Err(error) => Ok(refuse(
+            &problem_base,
             &operation,
             IdempotencyRejection::Internal(format!("the request's task ended: {error}")),
         )),
@@ -331,11 +348,21 @@ where
             // The finer hint: how long this operation usually takes, within the engine's.
             let retry_after = settings.estimates.hint(&operation, retry_after);
             Ok(refuse(
+                &settings.problem_base,
                 &operation,
                 IdempotencyRejection::InProgress { retry_after },
             ))
         }
-        Err(error) => Ok(refuse(&operation, IdempotencyRejection::from_engine(error))),
+        Err(error) => Ok(refuse(
+            &settings.problem_base,
+            &operation,
+            IdempotencyRejection::from_engine(error),
+        )),
+        Ok(_) => Ok(refuse(
+            &settings.problem_base,
+            &operation,
+            IdempotencyRejection::Internal("a reservation this layer does not know".into()),
+        )),
     }
 }
 
@@ -345,9 +372,11 @@ fn replay<S: Store>(settings: &Settings<S>, op: &str, bytes: &[u8]) -> Response<
         Ok(stored) => {
             count(op, metrics::REPLAYED);
             tracing::debug!(status = stored.status, "replayed stored response");
-            with_retention(settings, stored.into_replay())
+            let marker = settings.replay_header.clone();
+            with_retention(settings, stored.into_replay_marked(marker))
         }
         Err(e) => refuse(
+            &settings.problem_base,
             op,
             IdempotencyRejection::Internal(format!("stored response unreadable: {e}")),
         ),
@@ -415,6 +444,7 @@ where
         Returned::StillLent => {
             lease.give_up("the handler kept its transaction").await;
             return Ok(refuse(
+                &settings.problem_base,
                 op,
                 IdempotencyRejection::Internal(
                     "the handler kept IdempotentTx past its response".into(),
@@ -452,7 +482,8 @@ where
         match after {
             Some(AfterError::Release) => lease.release("the response is not stored").await,
             Some(AfterError::Park(reason)) => lease.park(&reason).await,
-            None => lease.give_up("the response is not stored").await,
+            // The default by effects, for `None` and for a decision this layer does not know.
+            _ => lease.give_up("the response is not stored").await,
         }
         return Ok(Response::from_parts(
             response_parts,
@@ -469,6 +500,7 @@ where
         Err(error) => {
             lease.give_up("the response body failed").await;
             return Ok(refuse(
+                &settings.problem_base,
                 op,
                 IdempotencyRejection::Internal(format!("response body: {error}")),
             ));
@@ -488,7 +520,11 @@ where
             Ok(tx) => tx,
             Err(error) => {
                 lease.give_up("could not begin a transaction").await;
-                return Ok(refuse(op, IdempotencyRejection::from_engine(error.into())));
+                return Ok(refuse(
+                    &settings.problem_base,
+                    op,
+                    IdempotencyRejection::from_engine(error.into()),
+                ));
             }
         },
     };
@@ -502,7 +538,11 @@ where
         }
         Err(error) => {
             tracing::warn!(%error, "could not complete the idempotency key");
-            Ok(refuse(op, IdempotencyRejection::from_engine(error)))
+            Ok(refuse(
+                &settings.problem_base,
+                op,
+                IdempotencyRejection::from_engine(error),
+            ))
         }
     }
 }
@@ -542,6 +582,7 @@ where
     match slot.take_back() {
         Returned::NotBegun => Ok(response),
         Returned::StillLent => Ok(refuse(
+            &settings.problem_base,
             &operation,
             IdempotencyRejection::Internal(
                 "the handler kept IdempotentTx past its response".into(),
@@ -550,6 +591,7 @@ where
         Returned::Open(tx) if commit => match tx.commit().await {
             Ok(()) => Ok(response),
             Err(error) => Ok(refuse(
+                &settings.problem_base,
                 &operation,
                 IdempotencyRejection::from_engine(idempotency::StoreError::from(error).into()),
             )),
@@ -752,7 +794,7 @@ fn with_retention<S: Store>(
     settings: &Settings<S>,
     mut response: Response<Body>,
 ) -> Response<Body> {
-    if settings.expiry_header {
+    if settings.retention_header {
         let seconds = settings.idempotency.retention().as_secs();
         response
             .headers_mut()
@@ -761,10 +803,10 @@ fn with_retention<S: Store>(
     response
 }
 
-fn refuse(operation: &str, rejection: IdempotencyRejection) -> Response<Body> {
+fn refuse(base: &str, operation: &str, rejection: IdempotencyRejection) -> Response<Body> {
     count(operation, rejection.outcome());
     tracing::info!(%rejection, "idempotency layer refused the request");
-    rejection.to_response()
+    rejection.to_response_under(base)
 }
 
 #[cfg(test)]

@@ -10,7 +10,7 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 /// one response, not to every replay.
 ///
 /// ```
-/// assert!(idempotency_http::stored::NEVER_STORED.contains(&http::header::SET_COOKIE));
+/// assert!(idempotency_http::NEVER_STORED.contains(&http::header::SET_COOKIE));
 /// ```
 pub const NEVER_STORED: [HeaderName; 7] = [
     header::SET_COOKIE,
@@ -25,7 +25,7 @@ pub const NEVER_STORED: [HeaderName; 7] = [
 /// Headers always stored when present.
 ///
 /// ```
-/// assert!(idempotency_http::stored::ALWAYS_STORED.contains(&http::header::LOCATION));
+/// assert!(idempotency_http::ALWAYS_STORED.contains(&http::header::LOCATION));
 /// ```
 pub const ALWAYS_STORED: [HeaderName; 2] = [header::CONTENT_TYPE, header::LOCATION];
 
@@ -167,10 +167,24 @@ impl StoredResponse {
     /// assert_eq!(r.headers()["idempotent-replayed"], "true");
     /// ```
     pub fn into_replay(self) -> Response<Body> {
+        self.into_replay_marked(IDEMPOTENT_REPLAYED)
+    }
+
+    /// [`into_replay`](Self::into_replay) with another marker header (see
+    /// [`IdempotencyLayer::with_replay_header`](crate::IdempotencyLayer::with_replay_header)).
+    ///
+    /// ```
+    /// # use idempotency_http::StoredResponse;
+    /// let stored = StoredResponse { status: 201, headers: vec![], body: vec![] };
+    /// let r = stored.into_replay_marked(http::HeaderName::from_static("idempotency-replayed"));
+    /// assert_eq!(r.headers()["idempotency-replayed"], "true");
+    /// assert!(r.headers().get("idempotent-replayed").is_none());
+    /// ```
+    pub fn into_replay_marked(self, header: http::HeaderName) -> Response<Body> {
         let mut response = self.into_response();
         response
             .headers_mut()
-            .insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+            .insert(header, HeaderValue::from_static("true"));
         response
     }
 }

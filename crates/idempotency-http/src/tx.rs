@@ -96,6 +96,7 @@ impl<DB: sqlx::Database> TxSlot<DB> {
 /// assert_eq!(TxRejection::LayerMissing.into_response().status(), 500);
 /// ```
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum TxRejection {
     /// No [`IdempotencyLayer`](crate::IdempotencyLayer) for this database wraps the route.
     #[error("IdempotentTx used on a route without an IdempotencyLayer for this database")]

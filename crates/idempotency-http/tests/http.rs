@@ -769,3 +769,51 @@ async fn external_work_that_panics_keeps_its_key_pending(app: &TestApp) {
         .await
         .assert_problem(409, types::IN_PROGRESS);
 }
+
+/// The replay marker's name and the problems' base URI are configurable; the defaults are then
+/// absent.
+#[tokio::test]
+async fn the_replay_header_and_the_problem_base_can_be_configured() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}?mode=rwc", dir.path().join("keys.db").display());
+    let store = idempotency::store::sqlite::SqliteStore::connect(&url)
+        .await
+        .unwrap();
+    idempotency::Store::migrate(&store).await.unwrap();
+    let router = axum::Router::new()
+        .route("/orders", axum::routing::post(|| async { "ran" }))
+        .route_layer(
+            common::layer(store)
+                .with_replay_header(http::HeaderName::from_static("idempotency-replayed"))
+                .with_problem_base("https://errors.example.com/idempotency/"),
+        );
+    let url = common::serve(router).await;
+    let client = reqwest::Client::new();
+    let key = new_key();
+    let send = || {
+        client
+            .post(format!("{url}/orders"))
+            .header("x-user", "alice")
+            .header("idempotency-key", &key)
+            .header("content-type", "application/json")
+            .body("{}")
+    };
+    let first = Answer::of(send()).await;
+    assert_eq!(first.status, 200);
+    assert!(!first.headers.contains_key("idempotency-replayed"));
+    let again = Answer::of(send()).await;
+    assert_eq!(again.status, 200);
+    assert_eq!(again.headers["idempotency-replayed"], "true");
+    assert!(!again.headers.contains_key("idempotent-replayed"));
+    let reused = Answer::of(send().body(r#"{"other": 1}"#)).await;
+    reused.assert_problem(422, "https://errors.example.com/idempotency/key-reused");
+    let keyless = Answer::of(
+        client
+            .post(format!("{url}/orders"))
+            .header("x-user", "alice")
+            .header("content-type", "application/json")
+            .body("{}"),
+    )
+    .await;
+    keyless.assert_problem(400, "https://errors.example.com/idempotency/key-missing");
+}

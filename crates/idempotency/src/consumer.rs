@@ -352,6 +352,7 @@ impl fmt::Display for DeadLetter {
 /// assert_eq!(classify(&std::io::ErrorKind::InvalidData.into()), FailureKind::Definitive);
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum FailureKind {
     /// May succeed on a redelivery: [`Decision::Retry`] with backoff, counted toward
     /// [`max_failures`](Consumer::with_max_failures).

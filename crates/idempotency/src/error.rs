@@ -25,6 +25,7 @@ use std::time::Duration;
 /// assert!(err.is_client_error());
 /// ```
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error<E = Infallible> {
     /// The key is malformed.
     #[error(transparent)]
@@ -104,6 +105,7 @@ impl Error<Infallible> {
 /// assert!(err.to_string().contains("banana"));
 /// ```
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum StoreError {
     /// The database answered with an error or could not be reached.
     #[error("database error: {0}")]

@@ -44,7 +44,7 @@ impl Fingerprint {
     }
 
     /// Rebuilds a fingerprint from the 32 bytes a store kept.
-    pub fn from_bytes(bytes: [u8; 32]) -> Self {
+    pub fn from_digest(bytes: [u8; 32]) -> Self {
         Self(bytes)
     }
 

@@ -7,6 +7,7 @@ pub const MAX_PART_LEN: usize = 255;
 
 /// Which part of an [`IdempotencyKey`] was rejected.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum KeyPart {
     /// Who the key belongs to (user or tenant id).
     Scope,
@@ -34,6 +35,7 @@ impl fmt::Display for KeyPart {
 /// assert_eq!(err, InvalidKey::Empty(KeyPart::Key));
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum InvalidKey {
     /// The part is the empty string.
     #[error("the idempotency {0} is empty")]

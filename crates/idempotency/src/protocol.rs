@@ -22,7 +22,7 @@ const RESERVE_ATTEMPTS: u32 = 8;
 /// ```
 /// use idempotency::{Attempt, Effects, Fingerprint, IdempotencyKey};
 /// let key = IdempotencyKey::new("user-1", "send-mail", "k-1")?;
-/// let attempt = Attempt::new(key, Fingerprint::of_bytes(b"hello")).effects(Effects::External);
+/// let attempt = Attempt::new(key, Fingerprint::of_bytes(b"hello")).with_effects(Effects::External);
 /// assert_eq!(attempt.effects, Effects::External);
 /// # Ok::<(), idempotency::InvalidKey>(())
 /// ```
@@ -36,7 +36,7 @@ pub struct Attempt {
     pub effects: Effects,
     /// Whether the work is a durable operation ([`Steps`]) that commits a recovery point before
     /// any outside call (default `false`). Its reservation then need not be flushed to disk on
-    /// its own: the first step's commit flushes it too (see [`Attempt::journaled`]).
+    /// its own: the first step's commit flushes it too (see [`Attempt::with_journaled`]).
     pub journaled: bool,
 }
 
@@ -52,7 +52,7 @@ impl Attempt {
     }
 
     /// Sets what the work touches.
-    pub fn effects(mut self, effects: Effects) -> Self {
+    pub fn with_effects(mut self, effects: Effects) -> Self {
         self.effects = effects;
         self
     }
@@ -70,12 +70,12 @@ impl Attempt {
     /// use idempotency::{Attempt, Effects, Fingerprint, IdempotencyKey};
     /// let key = IdempotencyKey::new("user-1", "purchase", "k-1")?;
     /// let attempt = Attempt::new(key, Fingerprint::of_bytes(b"{}"))
-    ///     .effects(Effects::External)
-    ///     .journaled(true);
+    ///     .with_effects(Effects::External)
+    ///     .with_journaled(true);
     /// assert!(attempt.journaled);
     /// # Ok::<(), idempotency::InvalidKey>(())
     /// ```
-    pub fn journaled(mut self, journaled: bool) -> Self {
+    pub fn with_journaled(mut self, journaled: bool) -> Self {
         self.journaled = journaled;
         self
     }
@@ -92,6 +92,7 @@ impl Attempt {
 /// assert_eq!(decide(&std::io::ErrorKind::TimedOut.into()), AfterError::Park("mail provider: timed out".into()));
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum AfterError {
     /// Nothing happened that we cannot undo: release the key so a retry runs again.
     Release,
@@ -101,6 +102,7 @@ pub enum AfterError {
 
 /// The answer of [`Idempotency::reserve`].
 #[derive(Debug)]
+#[non_exhaustive]
 pub enum Reservation<S: Store> {
     /// We hold the key; run the work and [`Lease::finish`] it.
     Acquired(Lease<S>),
@@ -788,8 +790,8 @@ impl<S: Store> Idempotency<S> {
         let fingerprint = Fingerprint::of_json(request)
             .map_err(|e| PerformError::Reserve(Error::Serialization(e)))?;
         let attempt = Attempt::new(key, fingerprint)
-            .effects(Effects::External)
-            .journaled(true);
+            .with_effects(Effects::External)
+            .with_journaled(true);
         match self
             .reserve(&attempt)
             .await

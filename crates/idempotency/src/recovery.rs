@@ -56,6 +56,7 @@ use std::{fmt, future::Future, panic::AssertUnwindSafe, time::Duration};
 /// assert!(matches!(answer, ProviderAnswer::Completed(_)));
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum ProviderAnswer {
     /// The effect happened; store these result bytes (the JSON replays will return).
     Completed(Vec<u8>),
@@ -519,6 +520,7 @@ impl RecoveryReport {
 /// assert!(ResolveError::EmptyReason.to_string().contains("reason"));
 /// ```
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum ResolveError {
     /// A resolution must say why (it is kept on the row).
     #[error("a reason is required to resolve a key")]

@@ -290,7 +290,7 @@ async fn an_external_operation_is_not_taken_over<S: Harness>(store: S) {
     let lease = Duration::from_millis(200);
     let idem = Idempotency::new(store.clone()).with_lease(lease);
     let trial = unique("external");
-    let a = attempt("user-1", &trial, json!({})).effects(Effects::External);
+    let a = attempt("user-1", &trial, json!({})).with_effects(Effects::External);
     let Reservation::Acquired(lease_held) = idem.reserve(&a).await.unwrap() else {
         panic!("acquire")
     };
@@ -309,7 +309,8 @@ async fn an_external_operation_is_not_taken_over<S: Harness>(store: S) {
 async fn abandoned_external_work_stays_pending<S: Harness>(store: S) {
     let idem = Idempotency::new(store.clone());
     let trial = unique("abandoned-external");
-    let a = attempt("user-1", &trial, json!({"to": "a@example.com"})).effects(Effects::External);
+    let a =
+        attempt("user-1", &trial, json!({"to": "a@example.com"})).with_effects(Effects::External);
     let (started_tx, started) = tokio::sync::oneshot::channel();
     let (idem2, a2) = (idem.clone(), a.clone());
     let task = tokio::spawn(async move {
@@ -330,7 +331,8 @@ async fn abandoned_external_work_stays_pending<S: Harness>(store: S) {
     let row = store.find(&a.key).await.unwrap().expect("not released");
     assert_eq!(row.state, KeyState::Pending);
 
-    let b = attempt("user-1", &unique("panicking-external"), json!({})).effects(Effects::External);
+    let b =
+        attempt("user-1", &unique("panicking-external"), json!({})).with_effects(Effects::External);
     let (idem3, b2) = (idem.clone(), b.clone());
     let joined = tokio::spawn(async move {
         idem3
@@ -392,7 +394,8 @@ async fn a_definitive_refusal_is_stored_and_replayed<S: Harness>(store: S) {
 async fn an_unknown_external_outcome_parks_the_key<S: Harness>(store: S) {
     let idem = Idempotency::new(store.clone());
     let trial = unique("parked");
-    let a = attempt("user-1", &trial, json!({"to": "a@example.com"})).effects(Effects::External);
+    let a =
+        attempt("user-1", &trial, json!({"to": "a@example.com"})).with_effects(Effects::External);
     let err = idem
         .run_with(
             &a,
@@ -500,19 +503,20 @@ async fn a_cancelled_reservation_leaves_no_pending_key<S: Harness>(store: S) {
     let (mut cut, mut acquired) = (0, 0);
     let mut keys = Vec::new();
     for i in 0..400u64 {
-        let a =
-            attempt("user-1", &format!("{trial}-{i}"), json!({"i": i})).effects(if i % 2 == 0 {
+        let a = attempt("user-1", &format!("{trial}-{i}"), json!({"i": i})).with_effects(
+            if i % 2 == 0 {
                 Effects::Local
             } else {
                 Effects::External
-            });
+            },
+        );
         match tokio::time::timeout(Duration::from_micros(i * 5), idem.reserve(&a)).await {
             Err(_elapsed) => cut += 1,
             Ok(Ok(Reservation::Acquired(lease))) => {
                 acquired += 1;
                 assert!(lease.release().await.unwrap());
             }
-            Ok(Ok(Reservation::Completed(_))) => panic!("a new key cannot be completed"),
+            Ok(Ok(_)) => panic!("a new key cannot be completed"),
             Ok(Err(error)) => panic!("a new key must be acquired, got {error:?}"),
         }
         keys.push(a.key);

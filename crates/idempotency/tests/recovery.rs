@@ -43,7 +43,7 @@ async fn abandon<S: Harness + Maintenance>(store: &S, attempt: &Attempt) -> KeyR
     let idem = Idempotency::new(store.clone()).with_lease(SHORT_LEASE);
     match idem.reserve(attempt).await.expect("reserve") {
         Reservation::Acquired(lease) => std::mem::forget(lease),
-        Reservation::Completed(_) => panic!("{}: fresh key was completed", S::NAME),
+        _ => panic!("{}: fresh key was completed", S::NAME),
     }
     let key = attempt.key.clone();
     assert!(
@@ -61,7 +61,7 @@ async fn abandon<S: Harness + Maintenance>(store: &S, attempt: &Attempt) -> KeyR
 }
 
 fn external(scope: &str, key: &str) -> Attempt {
-    attempt(scope, key, json!({"charge": key})).effects(Effects::External)
+    attempt(scope, key, json!({"charge": key})).with_effects(Effects::External)
 }
 
 /// A resolver that answers the same every time and counts its calls.
@@ -597,7 +597,7 @@ async fn late_original_racing_recovery_never_both_act<S: Harness + Maintenance>(
             Effects::External
         };
         let name = format!("{}-{trial}", unique("late-race"));
-        let a = attempt("user-1", &name, json!({"trial": name})).effects(effects);
+        let a = attempt("user-1", &name, json!({"trial": name})).with_effects(effects);
         let idem = Idempotency::new(store.clone()).with_lease(SHORT_LEASE);
         let Reservation::Acquired(lease) = idem.reserve(&a).await.unwrap() else {
             panic!("fresh key")

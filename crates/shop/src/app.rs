@@ -56,7 +56,7 @@ pub struct Config {
     /// runs no worker.
     pub worker_interval: Option<Duration>,
     /// How long a duplicate of a keyed request still in flight waits for it, to answer with its
-    /// stored response instead of a 409 (`IdempotencyLayer::wait_for_in_flight`); `None`: 409 at
+    /// stored response instead of a 409 (`IdempotencyLayer::with_wait_for_in_flight`); `None`: 409 at
     /// once.
     pub wait_for_in_flight: Option<Duration>,
     /// The broker the outbox relay publishes purchase events to (`amqp://…`); `None`: no

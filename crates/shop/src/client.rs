@@ -192,9 +192,9 @@ impl Client {
             .with_extension(Resendable)
             .with_extension(
                 RetryPolicy::default()
-                    .max_attempts(u32::MAX)
-                    .deadline(deadline)
-                    .backoff(Duration::from_millis(2), Duration::from_millis(250)),
+                    .with_max_attempts(u32::MAX)
+                    .with_deadline(deadline)
+                    .with_backoff(Duration::from_millis(2), Duration::from_millis(250)),
             );
         if let Some(body) = call.body {
             request = request.json(body);

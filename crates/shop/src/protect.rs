@@ -44,17 +44,17 @@ pub struct KeyedRoute {
 /// ```
 pub fn layer<S: Store>(engine: Idempotency<S>, route: KeyedRoute) -> IdempotencyLayer<S> {
     IdempotencyLayer::new(engine)
-        .methods([Method::POST])
-        .operation(route.operation)
-        .effects(route.effects)
-        .journaled(route.journaled)
-        .scope_from(|parts| parts.extensions.get::<UserId>().map(|user| user.0.clone()))
-        .body_limit(BODY_LIMIT)
-        .store_response_if(|status| status.is_success())
+        .with_methods([Method::POST])
+        .with_operation(route.operation)
+        .with_effects(route.effects)
+        .with_journaled(route.journaled)
+        .with_scope_from(|parts| parts.extensions.get::<UserId>().map(|user| user.0.clone()))
+        .with_body_limit(BODY_LIMIT)
+        .with_store_response_if(|status| status.is_success())
         // Once reserved, the work runs in a task of its own: a client that gives up (timeout,
         // closed connection) does not cancel it half-way, so it finishes, the key completes,
         // and the client's retry gets the stored response instead of a 409.
-        .detach(true)
+        .with_detach(true)
 }
 
 /// Puts `handler` behind the idempotency layer for the shop's backend; with
@@ -69,7 +69,7 @@ pub fn keyed(app: &App, route: KeyedRoute, handler: MethodRouter<App>) -> Method
 
 fn waiting<S: Store>(app: &App, layer: IdempotencyLayer<S>) -> IdempotencyLayer<S> {
     match app.wait_for_in_flight() {
-        Some(bound) => layer.wait_for_in_flight(bound),
+        Some(bound) => layer.with_wait_for_in_flight(bound),
         None => layer,
     }
 }

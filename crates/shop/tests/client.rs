@@ -326,11 +326,11 @@ async fn purchases_survive_faults_and_kills(kind: &str, operations: usize, kills
     let url = shop.lock().unwrap().url.clone();
     let client = idempotency_client::reqwest_middleware::ClientBuilder::new(reqwest::Client::new())
         .with(
-            IdempotencyMiddleware::new().policy(
+            IdempotencyMiddleware::new().with_policy(
                 RetryPolicy::default()
-                    .max_attempts(1_000)
-                    .deadline(Duration::from_secs(120))
-                    .backoff(Duration::from_millis(20), Duration::from_millis(400)),
+                    .with_max_attempts(1_000)
+                    .with_deadline(Duration::from_secs(120))
+                    .with_backoff(Duration::from_millis(20), Duration::from_millis(400)),
             ),
         )
         .build();

@@ -157,7 +157,7 @@ pub async fn serve() -> Server {
 
 /// A client with the middleware and a fast policy (the tests wait on backoff otherwise).
 pub fn client(policy: RetryPolicy) -> ClientWithMiddleware {
-    client_with(IdempotencyMiddleware::new().policy(policy))
+    client_with(IdempotencyMiddleware::new().with_policy(policy))
 }
 
 pub fn client_with(middleware: IdempotencyMiddleware) -> ClientWithMiddleware {
@@ -169,7 +169,7 @@ pub fn client_with(middleware: IdempotencyMiddleware) -> ClientWithMiddleware {
 /// A policy with small pauses.
 pub fn fast() -> RetryPolicy {
     RetryPolicy::default()
-        .max_attempts(5)
-        .backoff(Duration::from_millis(5), Duration::from_millis(20))
-        .deadline(Duration::from_secs(10))
+        .with_max_attempts(5)
+        .with_backoff(Duration::from_millis(5), Duration::from_millis(20))
+        .with_deadline(Duration::from_secs(10))
 }

@@ -182,8 +182,8 @@ async fn nonce(
 /// The layer the tests use: scope from `x-user`, `x-order-id` stored.
 pub fn layer<S: Store>(store: S) -> IdempotencyLayer<S> {
     IdempotencyLayer::new(Idempotency::new(store))
-        .scope_from(|parts| header(&parts.headers, "x-user").map(str::to_owned))
-        .stored_headers([http::HeaderName::from_static("x-order-id")])
+        .with_scope_from(|parts| header(&parts.headers, "x-user").map(str::to_owned))
+        .with_stored_headers([http::HeaderName::from_static("x-order-id")])
 }
 
 /// The lease of `/short-lease`.
@@ -214,12 +214,12 @@ where
         .route("/optional-orders", post(create_order::<S::Database>))
         .route_layer(
             layer(store.clone())
-                .key_requirement(KeyRequirement::Optional)
-                .expiry_header(true),
+                .with_key_requirement(KeyRequirement::Optional)
+                .with_retention_header(true),
         );
     let small = Router::new()
         .route("/small", post(create_order::<S::Database>))
-        .route_layer(layer(store.clone()).body_limit(1024));
+        .route_layer(layer(store.clone()).with_body_limit(1024));
     let short_lease = Router::new()
         .route("/short-lease", post(create_order::<S::Database>))
         .route_layer(layer(store.clone()).with_lease(SHORT_LEASE));
@@ -227,8 +227,8 @@ where
         .route("/payments", post(create_order::<S::Database>))
         .route_layer(
             layer(store.clone())
-                .effects(idempotency::Effects::External)
-                .on_unstored_response(|status| match status.as_u16() {
+                .with_effects(idempotency::Effects::External)
+                .with_after_unstored_response(|status| match status.as_u16() {
                     502 => idempotency::AfterError::Park(format!("provider answered {status}")),
                     _ => idempotency::AfterError::Release,
                 }),
@@ -236,13 +236,13 @@ where
     // External effects with the layer's defaults (no policy of its own).
     let external_default = Router::new()
         .route("/external-default", post(create_order::<S::Database>))
-        .route_layer(layer(store.clone()).effects(idempotency::Effects::External));
+        .route_layer(layer(store.clone()).with_effects(idempotency::Effects::External));
     let strict = Router::new()
         .route("/strict", post(create_order::<S::Database>))
-        .route_layer(layer(store.clone()).store_response_if(|status| status.is_success()));
+        .route_layer(layer(store.clone()).with_store_response_if(|status| status.is_success()));
     let detached = Router::new()
         .route("/detached", post(create_order::<S::Database>))
-        .route_layer(layer(store.clone()).detach(true));
+        .route_layer(layer(store.clone()).with_detach(true));
     orders
         .merge(strict)
         .merge(detached)

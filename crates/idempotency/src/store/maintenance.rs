@@ -70,6 +70,7 @@ impl Default for KeyFilter {
 /// assert_eq!(Resolution::Failed.state().as_str(), "failed");
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Resolution {
     /// The effect did happen: replays will return these result bytes (the same encoding the
     /// protocol stores: the JSON of the operation's result).

@@ -31,6 +31,7 @@ use uuid::Uuid;
 /// assert_eq!(KeyState::Completed.as_str(), "completed");
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum KeyState {
     /// Reserved; the work is running (or its worker died and the lease will expire).
     Pending,
@@ -259,7 +260,7 @@ pub struct PendingRow<'a> {
     /// Whether the work calls outside services.
     pub effects: Effects,
     /// Whether the work commits a flushed recovery point before any outside call
-    /// ([`Attempt::journaled`](crate::Attempt::journaled)).
+    /// ([`Attempt::with_journaled`](crate::Attempt::with_journaled)).
     pub journaled: bool,
     /// How long the holder may work before others may consider it dead.
     pub lease: Duration,
@@ -288,6 +289,7 @@ pub(crate) fn millis(duration: Duration) -> i64 {
 // `Conflict` is large, but the value is moved once and matched at once: boxing buys nothing.
 #[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Insertion {
     /// The row was inserted and committed: the caller holds the key.
     Inserted,
@@ -489,6 +491,7 @@ pub const POLL_MAX: Duration = Duration::from_millis(25);
 /// assert_ne!(Awaited::Completed(b"{}".to_vec()), Awaited::TimedOut);
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Awaited {
     /// The key completed with the awaited fingerprint: its stored result, to replay.
     Completed(Vec<u8>),
