@@ -105,7 +105,7 @@ struct Inner {
     payment: PaymentProvider,
     mail: MailProvider,
     purchase: Arc<Purchase>,
-    events: Arc<crate::worker::PurchaseEvents>,
+    events: Arc<crate::events::PurchaseEvents>,
     wait_for_in_flight: Option<Duration>,
 }
 
@@ -140,7 +140,7 @@ impl App {
             purchase: Arc::new(Purchase::new(payment.clone(), config.amqp_url.is_some())),
             payment,
             mail: MailProvider::new(providers.clone(), config.mail),
-            events: Arc::new(crate::worker::PurchaseEvents::new(MailProvider::new(
+            events: Arc::new(crate::events::PurchaseEvents::new(MailProvider::new(
                 providers.clone(),
                 config.mail,
             ))),
@@ -183,7 +183,7 @@ impl App {
 
     /// The durable operation `shop worker` runs per purchase event (registered with the
     /// maintenance worker too, which carries on an event whose worker died).
-    pub fn purchase_events(&self) -> &Arc<crate::worker::PurchaseEvents> {
+    pub fn purchase_events(&self) -> &Arc<crate::events::PurchaseEvents> {
         &self.0.events
     }
 

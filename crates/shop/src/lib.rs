@@ -10,13 +10,14 @@
 //! * the **storm** that hammers it all with duplicates and checks the ledgers ([`storm`]), and
 //!   the **benchmark** ([`bench`]);
 //! * a **transactional outbox** of purchase events relayed to RabbitMQ ([`outbox`]), and
-//!   `shop worker`, their idempotent consumer ([`worker`]).
+//!   `shop worker`, their idempotent consumer ([`worker`]) of a durable operation ([`events`]).
 #![warn(missing_docs)]
 
 pub mod app;
 pub mod bench;
 pub mod client;
 pub mod db;
+pub mod events;
 pub mod metrics;
 pub mod outbox;
 pub mod problem;

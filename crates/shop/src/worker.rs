@@ -1,13 +1,6 @@
 //! `shop worker`: consumes the purchase events the outbox relay publishes
 //! ([`PURCHASES_QUEUE`]) with [`idempotency_amqp`], exactly once per event whatever the broker
-//! redelivers. Each event is a durable operation ([`PurchaseEvents`]) of two steps:
-//!
-//! 1. **points**: one grant of loyalty points for the order, under the business unique
-//!    constraint `shop_point_grants.order_id` (a second defence behind the message id);
-//! 2. **receipt**: an e-mail through the mail provider, which has no idempotency keys: the call
-//!    is marked as started before it is made, and an unknown outcome (or a worker killed during
-//!    the call) parks the key as *needs review* and dead-letters the delivery with the reason,
-//!    never a second e-mail.
+//! redelivers. Each event is the durable operation [`PurchaseEvents`] (points, then a receipt).
 //!
 //! The delivery is acked only after the operation committed; a worker killed before that gets
 //! the delivery again from the broker, which the key turns into a replay (or a resumption from
@@ -15,21 +8,15 @@
 
 use crate::{
     app::{App, Config, Engine},
-    db::{Backend, Conn},
-    on_conn,
-    outbox::{PurchasePaid, PURCHASES_QUEUE, PURCHASE_PAID},
-    providers::{Faults, MailProvider},
-    purchase::call_error,
+    db::Backend,
+    events::PurchaseEvents,
+    outbox::{PurchasePaid, PURCHASES_QUEUE},
+    providers::Faults,
 };
 use anyhow::Context;
-use idempotency::{
-    consumer::DeadLetter,
-    steps::{Finished, StepError, Steps},
-    Consumer, Decision, Idempotency, Operation,
-};
+use idempotency::{consumer::DeadLetter, Consumer, Decision, Idempotency};
 use idempotency_amqp::{AmqpConsumer, Incoming, Topology};
 use lapin::{Connection, ConnectionProperties};
-use serde_json::{json, Value};
 use std::{sync::Arc, time::Duration};
 
 /// Options of `shop worker`.
@@ -62,110 +49,6 @@ pub struct WorkerArgs {
 
 /// The consumer's scope in the key table.
 pub const SCOPE: &str = "shop.worker";
-
-/// What a purchase event sets off: the points, then the receipt.
-#[derive(Debug, Clone)]
-pub struct PurchaseEvents {
-    mail: MailProvider,
-}
-
-impl PurchaseEvents {
-    /// Sending receipts through `mail`.
-    pub fn new(mail: MailProvider) -> Self {
-        Self { mail }
-    }
-}
-
-/// Grants the order's points once: the unique constraint on `order_id` turns a second grant
-/// into nothing. Returns whether this call granted them.
-async fn grant_points(mut conn: Conn<'_>, event: &PurchasePaid) -> Result<bool, sqlx::Error> {
-    let granted = on_conn!(conn.reborrow(), |c| sqlx::query(
-        "INSERT INTO shop_point_grants (order_id, user_id, points) VALUES ($1, $2, $3)
-         ON CONFLICT (order_id) DO NOTHING"
-    )
-    .bind(event.order_id)
-    .bind(&event.user_id)
-    .bind(event.points())
-    .execute(&mut *c)
-    .await?
-    .rows_affected());
-    Ok(granted == 1)
-}
-
-async fn record_receipt(
-    mut conn: Conn<'_>,
-    event: &PurchasePaid,
-    message_id: &str,
-) -> Result<(), sqlx::Error> {
-    on_conn!(conn.reborrow(), |c| sqlx::query(
-        "INSERT INTO shop_emails (user_id, recipient, subject, message_id) VALUES ($1, $2, $3, $4)"
-    )
-    .bind(&event.user_id)
-    .bind(recipient(event))
-    .bind(subject(event))
-    .bind(message_id)
-    .execute(&mut *c)
-    .await?
-    .rows_affected());
-    Ok(())
-}
-
-fn recipient(event: &PurchasePaid) -> String {
-    format!("{}@example.com", event.user_id)
-}
-
-fn subject(event: &PurchasePaid) -> String {
-    format!("receipt for purchase {}", event.purchase_id)
-}
-
-impl<S: Backend> Operation<S> for PurchaseEvents {
-    type Request = PurchasePaid;
-    type Response = Value;
-
-    fn name(&self) -> &str {
-        PURCHASE_PAID
-    }
-
-    async fn run(
-        &self,
-        steps: &mut Steps<S>,
-        event: &PurchasePaid,
-    ) -> Result<Finished<Value>, StepError> {
-        let granting = event.clone();
-        let granted = steps
-            .local("points", move |tx| {
-                Box::pin(async move { grant_points(S::conn(tx), &granting).await })
-            })
-            .await?;
-        let mail = self.mail.clone();
-        let sending = event.clone();
-        let message_id: String = steps
-            .call_unkeyed("receipt", move || async move {
-                mail.send(
-                    &sending.user_id,
-                    &recipient(&sending),
-                    &subject(&sending),
-                    &sending.message_id(),
-                )
-                .await
-                .map_err(call_error)
-            })
-            .await?;
-        let recording = event.clone();
-        steps
-            .finish(move |tx| {
-                Box::pin(async move {
-                    record_receipt(S::conn(tx), &recording, &message_id).await?;
-                    Ok::<_, sqlx::Error>(json!({
-                        "order_id": recording.order_id,
-                        "points_granted": granted,
-                        "receipt": message_id,
-                    }))
-                })
-            })
-            .await
-    }
-}
 
 /// Runs the worker until Ctrl-C or SIGTERM; reconnects after the broker went away.
 pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
