@@ -228,64 +228,92 @@ where
     ResBody: http_body::Body<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
-    // The client key was validated with the header; only a bad scope or operation fails here.
-    let key = match IdempotencyKey::new(scope, operation.as_str(), client_key) {
-        Ok(key) => key,
-        Err(invalid) => {
-            return Ok(refuse(
-                &settings.problem_base,
-                &operation,
-                IdempotencyRejection::Internal(invalid.to_string()),
-            ))
-        }
-    };
-    let op = operation.as_str();
+    let (attempt, body) =
+        match prepare(&settings, &parts, body, client_key, scope, &operation).await {
+            Ok(prepared) => prepared,
+            Err(refused) => return Ok(refused),
+        };
+    if settings.detach {
+        return protect_detached(settings, inner, parts, body, attempt, operation).await;
+    }
+    // 1. Reserve the key, committed on its own (a replay is read first); a duplicate of a
+    //    request in flight may wait for it (`wait_for_in_flight`).
+    let reserved = in_flight::reserve(
+        &settings.idempotency,
+        &attempt,
+        settings.wait_for_in_flight,
+        &settings.waiters,
+        &operation,
+    )
+    .await;
+    proceed(
+        settings,
+        inner,
+        parts,
+        body,
+        attempt.key,
+        reserved,
+        operation,
+    )
+    .await
+}
 
-    // The body, within the limit, then what the request asks for. Nothing is reserved yet.
-    let body = match read_body(body, &parts.headers, settings.body_limit).await {
-        Ok(body) => body,
-        Err(rejection) => return Ok(refuse(&settings.problem_base, op, rejection)),
-    };
-    let fingerprint = match fingerprint(&parts, &settings.fingerprint_headers, &body) {
-        Ok(fingerprint) => fingerprint,
-        Err(rejection) => return Ok(refuse(&settings.problem_base, op, rejection)),
-    };
+/// What the request asks for: its key, and its fingerprint over the body read within the limit.
+/// Nothing is reserved yet; a refusal (400, 413, 500) is the answer.
+async fn prepare<S, ReqBody>(
+    settings: &Settings<S>,
+    parts: &Parts,
+    body: ReqBody,
+    client_key: String,
+    scope: String,
+    operation: &str,
+) -> Result<(Attempt, Bytes), Response<Body>>
+where
+    S: Store,
+    ReqBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ReqBody::Error: Into<BoxError>,
+{
+    let refused = |rejection| refuse(&settings.problem_base, operation, rejection);
+    // The client key was validated with the header; only a bad scope or operation fails here.
+    let key = IdempotencyKey::new(scope, operation, client_key)
+        .map_err(|invalid| refused(IdempotencyRejection::Internal(invalid.to_string())))?;
+    let body = read_body(body, &parts.headers, settings.body_limit)
+        .await
+        .map_err(refused)?;
+    let fingerprint = fingerprint(parts, &settings.fingerprint_headers, &body).map_err(refused)?;
     let attempt = Attempt::new(key, fingerprint)
         .with_effects(settings.effects)
         .with_journaled(settings.journaled);
+    Ok((attempt, body))
+}
 
-    if !settings.detach {
-        // 1. Reserve the key, committed on its own (a replay is read first); a duplicate of a
-        //    request in flight may wait for it (`wait_for_in_flight`).
-        let reserved = in_flight::reserve(
-            &settings.idempotency,
-            &attempt,
-            settings.wait_for_in_flight,
-            &settings.waiters,
-            op,
-        )
-        .await;
-        return proceed(
-            settings,
-            inner,
-            parts,
-            body,
-            attempt.key,
-            reserved,
-            operation,
-        )
-        .await;
-    }
-    // Detached: a replay is answered here, without a task; the rest runs in a task of its own.
+/// [`protect`] for a detached layer: a replay is answered here, without a task; the rest runs
+/// in a task of its own, which finishes whatever the client does.
+async fn protect_detached<S, Inner, ResBody>(
+    settings: Arc<Settings<S>>,
+    inner: Inner,
+    parts: Parts,
+    body: Bytes,
+    attempt: Attempt,
+    operation: String,
+) -> Result<Response<Body>, Inner::Error>
+where
+    S: Store,
+    Inner: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
+    Inner::Future: Send + 'static,
+    Inner::Error: Send + 'static,
+    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
     let engine = &settings.idempotency;
     if engine.replays_first() {
         match engine.replay(&attempt).await {
-            Ok(Some(bytes)) => return Ok(replay(&settings, op, &bytes)),
+            Ok(Some(bytes)) => return Ok(replay(&settings, &operation, &bytes)),
             Ok(None) => {}
             Err(error) => {
                 return Ok(refuse(
                     &settings.problem_base,
-                    op,
+                    &operation,
                     IdempotencyRejection::from_engine(error),
                 ))
             }
@@ -387,7 +415,7 @@ fn replay<S: Store>(settings: &Settings<S>, op: &str, bytes: &[u8]) -> Response<
 async fn execute<S, Inner, ResBody>(
     settings: Arc<Settings<S>>,
     mut inner: Inner,
-    mut parts: Parts,
+    parts: Parts,
     body: Bytes,
     key: IdempotencyKey,
     lease: Lease<S>,
@@ -407,29 +435,10 @@ where
         effects: settings.effects,
         journaled: settings.journaled,
     };
-
     // 2. Run the handler, with the (lazily begun) business transaction and the lease in the
     //    extensions.
     let slot = TxSlot::new(settings.idempotency.store().clone());
-    parts.extensions.insert(slot.clone());
-    parts.extensions.insert(lease.slot.clone());
-    // The key, for handlers that pass it on to an idempotent provider.
-    parts.extensions.insert(key);
-    let request = Request::from_parts(parts, Body::from(body));
-    let ran = AssertUnwindSafe(inner.call(request)).catch_unwind().await;
-    let response = match ran {
-        Ok(Ok(response)) => response,
-        Ok(Err(error)) => {
-            rollback(slot.take_back()).await;
-            lease.give_up("the inner service failed").await;
-            return Err(error);
-        }
-        Err(panic) => {
-            rollback(slot.take_back()).await;
-            lease.give_up("the handler panicked").await;
-            std::panic::resume_unwind(panic);
-        }
-    };
+    let response = run_handler(&mut inner, parts, body, key, &slot, &mut lease).await?;
     if lease.taken_by_handler() {
         // The handler settled the key itself (a durable operation): nothing to store or release.
         rollback(slot.take_back()).await;
@@ -453,10 +462,81 @@ where
         }
     };
     let (mut response_parts, response_body) = response.into_parts();
-    let status = response_parts.status;
-    // The handler's own word first, then the layer's policy by status. `Some(None)`: not stored,
-    // and the key goes by the default for the route's effects.
-    let after = match response_parts.extensions.remove::<Disposition>() {
+    let after = after_response(&settings, &mut response_parts);
+    // Only a success or a redirection commits the handler's writes; a stored client error is
+    // stored without them, in a transaction of its own.
+    let tx = match tx {
+        Some(tx) if after.is_none() && commits_writes(response_parts.status) => Some(tx),
+        Some(tx) => {
+            let _ = tx.rollback().await;
+            None
+        }
+        None => None,
+    };
+    if let Some(after) = after {
+        lease.settle_unstored(after).await;
+        return Ok(Response::from_parts(
+            response_parts,
+            Body::new(response_body),
+        ));
+    }
+    // 3. Complete the key with the stored response in the handler's transaction, and commit both.
+    Ok(complete(
+        &settings,
+        &mut lease,
+        tx,
+        response_parts,
+        response_body,
+        started,
+    )
+    .await)
+}
+
+/// Calls the handler with the transaction slot, the lease and the key in the request's
+/// extensions. If it fails or panics, its transaction is rolled back and the key given up (as
+/// the route's effects say) before the error goes on, or the panic.
+async fn run_handler<S, Inner, ResBody>(
+    inner: &mut Inner,
+    mut parts: Parts,
+    body: Bytes,
+    key: IdempotencyKey,
+    slot: &TxSlot<S::Database>,
+    lease: &mut HeldLease<'_, S>,
+) -> Result<Response<ResBody>, Inner::Error>
+where
+    S: Store,
+    Inner: Service<Request<Body>, Response = Response<ResBody>>,
+{
+    parts.extensions.insert(slot.clone());
+    parts.extensions.insert(lease.slot.clone());
+    // The key, for handlers that pass it on to an idempotent provider.
+    parts.extensions.insert(key);
+    let request = Request::from_parts(parts, Body::from(body));
+    match AssertUnwindSafe(inner.call(request)).catch_unwind().await {
+        Ok(Ok(response)) => Ok(response),
+        Ok(Err(error)) => {
+            rollback(slot.take_back()).await;
+            lease.give_up("the inner service failed").await;
+            Err(error)
+        }
+        Err(panic) => {
+            rollback(slot.take_back()).await;
+            lease.give_up("the handler panicked").await;
+            std::panic::resume_unwind(panic);
+        }
+    }
+}
+
+/// What the handler's response asks for: `None` to store it; `Some(after)` not to store it,
+/// `after` saying what becomes of the key (`None`: the default for the route's effects). The
+/// handler's own word (a [`Disposition`] in the response's extensions) first, then the layer's
+/// policy by status.
+fn after_response<S: Store>(
+    settings: &Settings<S>,
+    response: &mut http::response::Parts,
+) -> Option<Option<AfterError>> {
+    let status = response.status;
+    match response.extensions.remove::<Disposition>() {
         Some(Disposition::Store) => None,
         Some(Disposition::Release) => Some(Some(AfterError::Release)),
         Some(Disposition::Park(reason)) => Some(Some(AfterError::Park(reason))),
@@ -467,29 +547,25 @@ where
                 .as_ref()
                 .map(|decide| decide(status)),
         ),
-    };
-    // Only a success or a redirection commits the handler's writes; a stored client error is
-    // stored without them, in a transaction of its own.
-    let tx = match tx {
-        Some(tx) if after.is_none() && commits_writes(status) => Some(tx),
-        Some(tx) => {
-            let _ = tx.rollback().await;
-            None
-        }
-        None => None,
-    };
-    if let Some(after) = after {
-        match after {
-            Some(AfterError::Release) => lease.release("the response is not stored").await,
-            Some(AfterError::Park(reason)) => lease.park(&reason).await,
-            // The default by effects, for `None` and for a decision this layer does not know.
-            _ => lease.give_up("the response is not stored").await,
-        }
-        return Ok(Response::from_parts(
-            response_parts,
-            Body::new(response_body),
-        ));
     }
+}
+
+/// Step 3: captures the response, completes the key with it in the handler's transaction (or a
+/// transaction of its own), commits, and answers with the response.
+async fn complete<S, ResBody>(
+    settings: &Settings<S>,
+    lease: &mut HeldLease<'_, S>,
+    tx: Option<sqlx::Transaction<'static, S::Database>>,
+    response_parts: http::response::Parts,
+    response_body: ResBody,
+    started: std::time::Instant,
+) -> Response<Body>
+where
+    S: Store,
+    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    let op = lease.operation;
     let collected: Result<Bytes, BoxError> = response_body
         .collect()
         .await
@@ -499,11 +575,11 @@ where
         Ok(bytes) => bytes,
         Err(error) => {
             lease.give_up("the response body failed").await;
-            return Ok(refuse(
+            return refuse(
                 &settings.problem_base,
                 op,
                 IdempotencyRejection::Internal(format!("response body: {error}")),
-            ));
+            );
         }
     };
     let stored = StoredResponse::capture(
@@ -513,18 +589,17 @@ where
         response_body.to_vec(),
     );
 
-    // 3. Complete the key with the stored response in the handler's transaction, and commit both.
     let tx = match tx {
         Some(tx) => tx,
         None => match settings.idempotency.store().begin().await {
             Ok(tx) => tx,
             Err(error) => {
                 lease.give_up("could not begin a transaction").await;
-                return Ok(refuse(
+                return refuse(
                     &settings.problem_base,
                     op,
                     IdempotencyRejection::from_engine(error.into()),
-                ));
+                );
             }
         },
     };
@@ -534,15 +609,15 @@ where
             settings.estimates.record(op, started.elapsed());
             tracing::debug!(status = stored.status, "executed and stored response");
             let response = Response::from_parts(response_parts, Body::from(response_body));
-            Ok(with_retention(&settings, response))
+            with_retention(settings, response)
         }
         Err(error) => {
             tracing::warn!(%error, "could not complete the idempotency key");
-            Ok(refuse(
+            refuse(
                 &settings.problem_base,
                 op,
                 IdempotencyRejection::from_engine(error),
-            ))
+            )
         }
     }
 }
@@ -626,6 +701,16 @@ struct HeldLease<'o, S: Store> {
 impl<S: Store> HeldLease<'_, S> {
     fn take(&mut self) -> Lease<S> {
         self.slot.take().expect("the lease is taken once")
+    }
+
+    /// After a response that is not stored: release, park, or (`None`, or a decision this layer
+    /// does not know) the default for the route's effects.
+    async fn settle_unstored(&mut self, after: Option<AfterError>) {
+        match after {
+            Some(AfterError::Release) => self.release("the response is not stored").await,
+            Some(AfterError::Park(reason)) => self.park(&reason).await,
+            _ => self.give_up("the response is not stored").await,
+        }
     }
 
     /// Whether the handler took the lease (and so settles the key itself).

@@ -505,37 +505,10 @@ impl<S: Store> Idempotency<S> {
                 && existing.lease_expired()
                 && existing.fingerprint == attempt.fingerprint
             {
-                // A durable operation whose holder went away: claim it (fenced) with its journal,
-                // and carry it on from its recovery point.
-                if self
-                    .store
-                    .claim_for_recovery(&attempt.key, existing.lease_token, row.token, self.lease)
-                    .await?
-                {
-                    let mut lease = self.lease_for(&row);
-                    lease.effects = Effects::External;
-                    // The journal as of the claim: the row read before it may miss a step the
-                    // old holder committed in between (steps do not change the token).
-                    let claimed = self.claimed_row(&attempt.key, row.token).await;
-                    match claimed {
-                        Ok(Some(claimed)) => {
-                            tracing::debug!(key = %attempt.key, recovery_point = ?claimed.recovery_point, "durable operation resumed by a retry");
-                            lease.resumed = Some(Box::new(claimed));
-                            return Ok(Reservation::Acquired(lease));
-                        }
-                        // Taken from us meanwhile: our lease is nobody's to release.
-                        Ok(None) => {
-                            lease.disarm();
-                            return Err(Error::LeaseLost);
-                        }
-                        Err(error) => {
-                            // We hold a durable key we cannot read: leave it pending.
-                            lease.disarm();
-                            return Err(error.into());
-                        }
-                    }
+                match self.claim_to_resume(&row, &existing).await? {
+                    Some(resumed) => return Ok(resumed),
+                    None => continue,
                 }
-                continue;
             }
             let reusable = match existing.state {
                 KeyState::Failed => true,
@@ -550,23 +523,69 @@ impl<S: Store> Idempotency<S> {
                 }
                 continue;
             }
-            if existing.fingerprint != attempt.fingerprint {
-                return Err(Error::KeyReused);
-            }
-            return match existing.state {
-                KeyState::Completed => {
-                    Ok(Reservation::Completed(existing.result.unwrap_or_default()))
-                }
-                KeyState::NeedsReview => Err(Error::NeedsReview),
-                _ => Err(Error::InProgress {
-                    retry_after: existing
-                        .lease_remaining
-                        .min(self.max_retry_after)
-                        .max(Duration::from_millis(1)),
-                }),
-            };
+            return self.answer_existing(attempt, existing);
         }
         Err(StoreError::Contention(RESERVE_ATTEMPTS).into())
+    }
+
+    /// A durable operation whose holder went away: claims it (fenced) with its journal, to carry
+    /// it on from its recovery point. `None` when another claimer was first (reserve again).
+    async fn claim_to_resume(
+        &self,
+        row: &PendingRow<'_>,
+        existing: &KeyRecord,
+    ) -> Result<Option<Reservation<S>>, Error> {
+        let key = row.key;
+        if !self
+            .store
+            .claim_for_recovery(key, existing.lease_token, row.token, self.lease)
+            .await?
+        {
+            return Ok(None);
+        }
+        let mut lease = self.lease_for(row);
+        lease.effects = Effects::External;
+        // The journal as of the claim: the row read before it may miss a step the old holder
+        // committed in between (steps do not change the token).
+        match self.claimed_row(key, row.token).await {
+            Ok(Some(claimed)) => {
+                tracing::debug!(key = %key, recovery_point = ?claimed.recovery_point, "durable operation resumed by a retry");
+                lease.resumed = Some(Box::new(claimed));
+                Ok(Some(Reservation::Acquired(lease)))
+            }
+            // Taken from us meanwhile: our lease is nobody's to release.
+            Ok(None) => {
+                lease.disarm();
+                Err(Error::LeaseLost)
+            }
+            Err(error) => {
+                // We hold a durable key we cannot read: leave it pending.
+                lease.disarm();
+                Err(error.into())
+            }
+        }
+    }
+
+    /// The answer for a key held by someone else, or settled: 422 for another request, the
+    /// stored result, needs review, or in progress with a retry hint.
+    fn answer_existing(
+        &self,
+        attempt: &Attempt,
+        existing: KeyRecord,
+    ) -> Result<Reservation<S>, Error> {
+        if existing.fingerprint != attempt.fingerprint {
+            return Err(Error::KeyReused);
+        }
+        match existing.state {
+            KeyState::Completed => Ok(Reservation::Completed(existing.result.unwrap_or_default())),
+            KeyState::NeedsReview => Err(Error::NeedsReview),
+            _ => Err(Error::InProgress {
+                retry_after: existing
+                    .lease_remaining
+                    .min(self.max_retry_after)
+                    .max(Duration::from_millis(1)),
+            }),
+        }
     }
 
     /// The row of `key` as it is now, if `token` still holds it: what a claimer of a durable

@@ -831,7 +831,13 @@ async fn a_retry_and_the_resumer_race_for_one_key<S: Harness + Maintenance>(stor
     const TRIALS: usize = 200;
     let started = Instant::now();
     let provider = Provider::default();
-    let recovery = Arc::new(resumer(&store, Transfer::new(&provider, "resumer")));
+    // The resumer drives under a long lease: a claim it won is never taken from it by a slow
+    // machine (with the usual 80 ms, a resumer slowed past its lease under load lets the retry
+    // claim the key after it, and both ask the provider, which the even trials rule out).
+    let recovery = Arc::new(Recovery::new(store.clone()).with_operations(
+        engine(&store, Duration::from_secs(30)),
+        Operations::new().with(Transfer::new(&provider, "resumer")),
+    ));
     let retry_op = Arc::new(Transfer::new(&provider, "retry"));
     let crash_engine = engine(&store, TINY_LEASE);
     // How each trial went: who drove it, and what the other saw.

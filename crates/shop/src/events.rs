@@ -123,4 +123,3 @@ impl<S: Backend> Operation<S> for PurchaseEvents {
             .await
     }
 }
-
