@@ -445,6 +445,7 @@ pub trait Store: Clone + Send + Sync + 'static {
     ///     Awaited::Completed(result) => println!("replay {} bytes", result.len()),
     ///     Awaited::Settled => println!("reserve again"),
     ///     Awaited::TimedOut => println!("still running: 409"),
+    ///     _ => println!("a later kind of end: treat it as still running"),
     /// }
     /// # Ok(()) }
     /// ```
