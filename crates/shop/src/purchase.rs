@@ -179,6 +179,13 @@ pub async fn place_order(
 #[error("order {0} is no longer awaiting payment")]
 pub struct OrderGone(pub i64);
 
+/// The order is already paid: another runner of the same purchase (the resumer, or a retry that
+/// claimed the key after this runner's lease ended) finished it. This runner is stale and must
+/// not compensate anything.
+#[derive(Debug, thiserror::Error)]
+#[error("order {0} was paid by another runner of the purchase")]
+pub struct PaidByAnother(pub i64);
+
 /// Step 3: `pending_payment → paid` (guarded) and the purchase row, and with `outbox` the
 /// purchase's event in the outbox (same transaction); returns the 201 body.
 pub async fn mark_paid(
@@ -200,6 +207,15 @@ pub async fn mark_paid(
     .rows_affected()
     });
     if paid != 1 {
+        let status: Option<String> = on_conn!(conn.reborrow(), |c| sqlx::query_scalar(
+            "SELECT status FROM shop_orders WHERE id = $1"
+        )
+        .bind(order)
+        .fetch_optional(&mut *c)
+        .await?);
+        if status.as_deref() == Some("paid") {
+            return Err(Box::new(PaidByAnother(order)));
+        }
         return Err(Box::new(OrderGone(order)));
     }
     let purchase_id: i64 = on_conn!(conn.reborrow(), |c| sqlx::query_scalar(
@@ -402,6 +418,11 @@ impl<S: Backend> Operation<S> for Purchase {
             })
             .await;
         match finished {
+            // Another runner finished the purchase while this one was stalled past its lease:
+            // its charge is the one the order holds (same provider key); nothing to undo here.
+            Err(StepError::Local { source, .. }) if source.is::<PaidByAnother>() => {
+                Err(StepError::LeaseLost)
+            }
             Err(StepError::Local { source, .. }) if source.is::<OrderGone>() => {
                 // Charged for an order nobody can pay any more: refund, then settle as failed.
                 let charge_id = charge.charge_id.clone();
