@@ -129,31 +129,28 @@ struct Counts {
 
 impl Counts {
     fn count(&self, answer: &Result<Answer, reqwest::Error>) {
-        self.requests.fetch_add(1, Ordering::Relaxed);
-        let counter = match answer {
-            Err(_) => &self.timeouts,
-            Ok(a) if a.replayed => &self.replayed,
-            Ok(a) if a.status.is_success() => &self.executed,
-            Ok(a) if a.status == StatusCode::CONFLICT => &self.conflict,
-            Ok(a) if a.status == StatusCode::UNPROCESSABLE_ENTITY => &self.unprocessable,
-            Ok(a) if a.status == StatusCode::PAYMENT_REQUIRED => &self.refused,
-            Ok(a) if a.is_problem("payment-failed") => &self.payment_failed,
-            Ok(a) if a.status.is_server_error() => &self.server_errors,
-            Ok(_) => &self.other,
-        };
-        counter.fetch_add(1, Ordering::Relaxed);
+        match answer {
+            Err(_) => self.tally(None, false, false),
+            Ok(a) => self.tally(Some(a.status), a.replayed, a.is_problem("payment-failed")),
+        }
     }
 
     /// Counts an attempt of which only the middleware's record is known (not the last).
     fn count_attempt(&self, attempt: &idempotency_client::AttemptRecord) {
+        self.tally(attempt.result.status(), attempt.replayed, false);
+    }
+
+    /// One answer (`None`: a timeout or transport error) under its counter.
+    fn tally(&self, status: Option<StatusCode>, replayed: bool, payment_failed: bool) {
         self.requests.fetch_add(1, Ordering::Relaxed);
-        let counter = match attempt.result.status() {
+        let counter = match status {
             None => &self.timeouts,
-            Some(_) if attempt.replayed => &self.replayed,
+            Some(_) if replayed => &self.replayed,
             Some(s) if s.is_success() => &self.executed,
             Some(StatusCode::CONFLICT) => &self.conflict,
             Some(StatusCode::UNPROCESSABLE_ENTITY) => &self.unprocessable,
             Some(StatusCode::PAYMENT_REQUIRED) => &self.refused,
+            Some(_) if payment_failed => &self.payment_failed,
             Some(s) if s.is_server_error() => &self.server_errors,
             Some(_) => &self.other,
         };
