@@ -41,7 +41,7 @@ pub enum IdempotencyRejection {
     BodyNotJson(#[source] serde_json::Error),
     /// The request body could not be read (400).
     #[error("the request body could not be read: {0}")]
-    BodyUnreadable(String),
+    BodyUnreadable(#[source] BoxError),
     /// The key was used before with a different request (422).
     #[error("the idempotency key was already used with a different request")]
     KeyReused,
@@ -61,9 +61,49 @@ pub enum IdempotencyRejection {
     #[error("the idempotency store is unavailable: {0}")]
     StoreUnavailable(#[source] StoreError),
     /// Anything else (500): a corrupt stored response, a store failure that is not an outage, a
-    /// transaction held past the response.
+    /// transaction held past the response (see [`InternalError`]).
     #[error("internal error: {0}")]
-    Internal(String),
+    Internal(#[from] InternalError),
+}
+
+/// A body or handler error, as `http-body` and tower pass them.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// What went wrong behind an [`IdempotencyRejection::Internal`] (500), with its source.
+///
+/// ```
+/// use idempotency_http::{IdempotencyRejection, InternalError};
+/// let rejection = IdempotencyRejection::from(InternalError::TransactionKept);
+/// assert_eq!(rejection.to_problem().status, 500);
+/// assert!(matches!(rejection, IdempotencyRejection::Internal(InternalError::TransactionKept)));
+/// ```
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum InternalError {
+    /// The scope or operation the layer derived is not a valid key part.
+    #[error("invalid scope or operation: {0}")]
+    InvalidKey(#[source] idempotency::InvalidKey),
+    /// A store failure that is not an outage (a corrupt row, a failed migration …).
+    #[error("store failure: {0}")]
+    Store(#[source] StoreError),
+    /// A stored result could not be encoded or decoded.
+    #[error("stored result unreadable: {0}")]
+    StoredResult(#[source] serde_json::Error),
+    /// The task that ran the request ended without an answer (the runtime shut down).
+    #[error("the request's task ended: {0}")]
+    TaskEnded(#[source] tokio::task::JoinError),
+    /// The engine answered with a reservation this version of the layer does not know.
+    #[error("a reservation this layer does not know")]
+    UnknownReservation,
+    /// The handler still held its [`IdempotentTx`](crate::IdempotentTx) after it answered.
+    #[error("the handler kept IdempotentTx past its response")]
+    TransactionKept,
+    /// The handler's response body failed while it was being read for storing.
+    #[error("response body: {0}")]
+    ResponseBody(#[source] BoxError),
+    /// Any other engine error.
+    #[error(transparent)]
+    Engine(idempotency::Error),
 }
 
 impl IdempotencyRejection {
@@ -248,14 +288,14 @@ impl IdempotencyRejection {
             Error::InProgress { retry_after } => Self::InProgress { retry_after },
             Error::NeedsReview => Self::NeedsReview,
             Error::LeaseLost => Self::LeaseLost,
-            Error::InvalidKey(e) => Self::Internal(e.to_string()),
+            Error::InvalidKey(e) => InternalError::InvalidKey(e).into(),
             Error::Store(e) if e.is_unavailable() || matches!(e, StoreError::Contention(_)) => {
                 Self::StoreUnavailable(e)
             }
-            Error::Store(e) => Self::Internal(e.to_string()),
-            Error::Serialization(e) => Self::Internal(e.to_string()),
+            Error::Store(e) => InternalError::Store(e).into(),
+            Error::Serialization(e) => InternalError::StoredResult(e).into(),
             Error::Operation(never) => match never {},
-            other => Self::Internal(other.to_string()),
+            other => InternalError::Engine(other).into(),
         }
     }
 }

@@ -173,7 +173,7 @@ mod stored;
 mod tx;
 
 pub use disposition::{commits_writes, is_definitive, Disposition};
-pub use error::IdempotencyRejection;
+pub use error::{BoxError, IdempotencyRejection, InternalError};
 pub use layer::{
     IdempotencyLayer, IdempotencyScope, KeyRequirement, MissingScope, DEFAULT_BODY_LIMIT,
 };

@@ -7,7 +7,7 @@
 
 use crate::{
     commits_writes,
-    error::IdempotencyRejection,
+    error::{BoxError, IdempotencyRejection, InternalError},
     header::{key_from_headers, IDEMPOTENCY_KEY_RETENTION},
     in_flight,
     layer::{KeyRequirement, MissingScope, OperationSource, Settings},
@@ -34,8 +34,6 @@ use std::{
 };
 use tower::Service;
 use tracing::Instrument;
-
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// The middleware made by [`IdempotencyLayer`](crate::IdempotencyLayer); see there.
 ///
@@ -276,7 +274,7 @@ where
     let refused = |rejection| refuse(&settings.problem_base, operation, rejection);
     // The client key was validated with the header; only a bad scope or operation fails here.
     let key = IdempotencyKey::new(scope, operation, client_key)
-        .map_err(|invalid| refused(IdempotencyRejection::Internal(invalid.to_string())))?;
+        .map_err(|invalid| refused(InternalError::InvalidKey(invalid).into()))?;
     let body = read_body(body, &parts.headers, settings.body_limit)
         .await
         .map_err(refused)?;
@@ -339,7 +337,7 @@ where
         Err(error) => Ok(refuse(
             &problem_base,
             &operation,
-            IdempotencyRejection::Internal(format!("the request's task ended: {error}")),
+            InternalError::TaskEnded(error).into(),
         )),
     }
 }
@@ -389,7 +387,7 @@ where
         Ok(_) => Ok(refuse(
             &settings.problem_base,
             &operation,
-            IdempotencyRejection::Internal("a reservation this layer does not know".into()),
+            InternalError::UnknownReservation.into(),
         )),
     }
 }
@@ -406,7 +404,7 @@ fn replay<S: Store>(settings: &Settings<S>, op: &str, bytes: &[u8]) -> Response<
         Err(e) => refuse(
             &settings.problem_base,
             op,
-            IdempotencyRejection::Internal(format!("stored response unreadable: {e}")),
+            InternalError::StoredResult(e).into(),
         ),
     }
 }
@@ -455,9 +453,7 @@ where
             return Ok(refuse(
                 &settings.problem_base,
                 op,
-                IdempotencyRejection::Internal(
-                    "the handler kept IdempotentTx past its response".into(),
-                ),
+                InternalError::TransactionKept.into(),
             ));
         }
     };
@@ -578,7 +574,7 @@ where
             return refuse(
                 &settings.problem_base,
                 op,
-                IdempotencyRejection::Internal(format!("response body: {error}")),
+                InternalError::ResponseBody(error).into(),
             );
         }
     };
@@ -659,9 +655,7 @@ where
         Returned::StillLent => Ok(refuse(
             &settings.problem_base,
             &operation,
-            IdempotencyRejection::Internal(
-                "the handler kept IdempotentTx past its response".into(),
-            ),
+            InternalError::TransactionKept.into(),
         )),
         Returned::Open(tx) if commit => match tx.commit().await {
             Ok(()) => Ok(response),
@@ -827,7 +821,7 @@ where
         Err(error) if error.is::<LengthLimitError>() => {
             Err(IdempotencyRejection::BodyTooLarge { limit })
         }
-        Err(error) => Err(IdempotencyRejection::BodyUnreadable(error.to_string())),
+        Err(error) => Err(IdempotencyRejection::BodyUnreadable(error.into())),
     }
 }
 

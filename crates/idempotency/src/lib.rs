@@ -9,6 +9,7 @@ pub mod key;
 pub mod operation;
 pub mod outcome;
 pub mod protocol;
+mod recent_replays;
 pub mod recovery;
 pub mod retention;
 pub mod steps;

@@ -5,13 +5,14 @@
 use crate::{
     error::{Error, StoreError},
     operation::Operation,
+    recent_replays::RecentReplays,
     steps::{Finished, StepError, StepPolicy, Steps},
     store::{Effects, Insertion, KeyRecord, KeyState, LeaseToken, PendingRow, Store},
     Fingerprint, IdempotencyKey, Outcome,
 };
 use futures_util::{future::BoxFuture, FutureExt};
 use serde::{de::DeserializeOwned, Serialize};
-use std::{panic::AssertUnwindSafe, time::Duration};
+use std::{panic::AssertUnwindSafe, sync::Arc, time::Duration};
 
 /// How many times a reservation is retried when the row it conflicted with vanished meanwhile.
 const RESERVE_ATTEMPTS: u32 = 8;
@@ -348,19 +349,23 @@ pub struct Idempotency<S> {
     lease: Duration,
     retention: Duration,
     max_retry_after: Duration,
-    replay_first: bool,
+    /// `Some`: forced by [`with_replay_first`](Self::with_replay_first); `None`: adaptive.
+    replay_first: Option<bool>,
+    recent_replays: Arc<RecentReplays>,
     step_policy: StepPolicy,
 }
 
 impl<S: Store> Idempotency<S> {
-    /// An engine with a 60 s lease, 24 h retention, and replays read first.
+    /// An engine with a 60 s lease, 24 h retention, and an adaptive replay read (see
+    /// [`with_replay_first`](Self::with_replay_first)).
     pub fn new(store: S) -> Self {
         Self {
             store,
             lease: Duration::from_secs(60),
             retention: Duration::from_secs(24 * 60 * 60),
             max_retry_after: Duration::from_secs(1),
-            replay_first: true,
+            replay_first: None,
+            recent_replays: Arc::default(),
             step_policy: StepPolicy::default(),
         }
     }
@@ -377,12 +382,16 @@ impl<S: Store> Idempotency<S> {
         self.step_policy
     }
 
-    /// Whether [`reserve`](Self::reserve) first tries a plain read for a stored result
-    /// ([`Store::find_replay`]) before the reserving INSERT (default `true`).
+    /// Forces whether [`reserve`](Self::reserve) first tries a plain read for a stored result
+    /// ([`Store::find_replay`]) before the reserving INSERT.
     ///
-    /// The read makes a replay as cheap as an indexed lookup; it costs a first request one more
-    /// round trip. Turn it off where duplicates are rare and first requests dominate. Either way
-    /// the INSERT alone decides every case the read does not answer.
+    /// The read answers a replay with one indexed lookup, but costs a first request one more
+    /// round trip; without it, the reserving INSERT answers a replay too (its conflict returns
+    /// the stored row), a little more dearly. By default the engine decides per request: it
+    /// reads first while more than half of its recent reservations (about the last 16 to 50, in
+    /// this process) were replays, and inserts first otherwise. Force `false` where duplicates
+    /// are rare, `true` where replays dominate. Either way the INSERT alone decides every case
+    /// the read does not answer, so the choice never changes an answer.
     ///
     /// ```
     /// # #[cfg(feature = "sqlite")]
@@ -393,7 +402,7 @@ impl<S: Store> Idempotency<S> {
     /// # Ok(()) }
     /// ```
     pub fn with_replay_first(mut self, replay_first: bool) -> Self {
-        self.replay_first = replay_first;
+        self.replay_first = Some(replay_first);
         self
     }
 
@@ -440,14 +449,14 @@ impl<S: Store> Idempotency<S> {
     ///   [`Error::InProgress`] (the recovery job decides);
     /// * needs review → [`Error::NeedsReview`].
     ///
-    /// With [`with_replay_first`](Self::with_replay_first) (the default) a completed key with the
-    /// same fingerprint is answered by a plain read, before any INSERT is tried.
+    /// When [`replays_first`](Self::replays_first), a completed key with the same fingerprint is
+    /// answered by a plain read, before any INSERT is tried.
     ///
     /// Cancellation-safe: the INSERT runs in a task of its own. If the caller is dropped while it
     /// is in flight (a client hung up), the task finishes it and releases a key it reserved, so
     /// no key is left pending without a holder until its lease ends.
     pub async fn reserve(&self, attempt: &Attempt) -> Result<Reservation<S>, Error> {
-        if self.replay_first {
+        if self.replays_first() {
             if let Some(result) = self.replay(attempt).await? {
                 return Ok(Reservation::Completed(result));
             }
@@ -461,7 +470,12 @@ impl<S: Store> Idempotency<S> {
             let _ = answer_tx.send(Unclaimed(Some(answer)));
         });
         match answer_rx.await {
-            Ok(mut unclaimed) => unclaimed.0.take().expect("claimed once"),
+            Ok(mut unclaimed) => {
+                let answer = unclaimed.0.take().expect("claimed once");
+                self.recent_replays
+                    .observe(matches!(answer, Ok(Reservation::Completed(_))));
+                answer
+            }
             Err(_) => Err(Error::Store(StoreError::Database(
                 sqlx::Error::WorkerCrashed,
             ))),
@@ -472,16 +486,23 @@ impl<S: Store> Idempotency<S> {
     /// unexpired key with the attempt's fingerprint, or `None` (then [`reserve`](Self::reserve)
     /// decides). It writes nothing, so it may be cancelled at any point.
     pub async fn replay(&self, attempt: &Attempt) -> Result<Option<Vec<u8>>, Error> {
-        Ok(self
+        let result = self
             .store
             .find_replay(&attempt.key, &attempt.fingerprint)
-            .await?)
+            .await?;
+        if result.is_some() {
+            // A miss is left to the reservation that follows, so it counts once.
+            self.recent_replays.observe(true);
+        }
+        Ok(result)
     }
 
-    /// Whether [`reserve`](Self::reserve) reads for a replay first (see
-    /// [`with_replay_first`](Self::with_replay_first)).
+    /// Whether [`reserve`](Self::reserve) reads for a replay first now: as forced by
+    /// [`with_replay_first`](Self::with_replay_first), or else whether most recent reservations
+    /// were replays.
     pub fn replays_first(&self) -> bool {
         self.replay_first
+            .unwrap_or_else(|| self.recent_replays.mostly_replays())
     }
 
     /// The reserving INSERT and, on conflict, the decision on the existing row.

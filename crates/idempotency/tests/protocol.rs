@@ -493,6 +493,44 @@ async fn without_the_replay_read_the_insert_decides<S: Harness>(store: S) {
     assert_eq!(store.count_effects(&trial).await, 1);
 }
 
+/// By default the engine reads first only while replays dominate, and the answers are the
+/// same either way: 30 first requests leave it inserting first; 30 replays turn it to reading
+/// first (each replay answered with the stored result); first requests turn it back.
+async fn the_default_replay_read_follows_the_recent_replays<S: Harness>(store: S) {
+    let idem = Idempotency::new(store.clone());
+    let trial = unique("adaptive-read");
+    let firsts: Vec<_> = (0..30)
+        .map(|i| attempt("user-1", &format!("{trial}-{i}"), json!({"i": i})))
+        .collect();
+    for (n, first) in firsts.iter().enumerate() {
+        assert!(!purchase(&idem, first, &trial, n as u64)
+            .await
+            .unwrap()
+            .is_replayed());
+    }
+    assert!(!idem.replays_first(), "first requests: insert first");
+    let mut turned_at = None;
+    for (n, first) in firsts.iter().enumerate() {
+        assert_eq!(
+            purchase(&idem, first, &trial, 1000).await.unwrap(),
+            Outcome::Replayed(json!({"trial": trial, "n": n}))
+        );
+        if turned_at.is_none() && idem.replays_first() {
+            turned_at = Some(n);
+        }
+    }
+    assert!(turned_at.is_some(), "30 replays in a row: read first");
+    for i in 30..60 {
+        let fresh = attempt("user-1", &format!("{trial}-{i}"), json!({"i": i}));
+        assert!(!purchase(&idem, &fresh, &trial, i)
+            .await
+            .unwrap()
+            .is_replayed());
+    }
+    assert!(!idem.replays_first(), "first requests again: insert first");
+    assert_eq!(store.count_effects(&trial).await, 60);
+}
+
 /// A caller dropped while its reservation is in flight (a client hung up) leaves no key pending:
 /// the INSERT finishes in its own task and a key it reserved is released, also when the caller
 /// goes between the answer and its receipt, and also for external work. Timeouts from 0 to 2 ms
@@ -566,5 +604,6 @@ backend_tests!(
     concurrent_duplicates_execute_exactly_once,
     the_replay_read_answers_only_completed_matching_rows,
     without_the_replay_read_the_insert_decides,
+    the_default_replay_read_follows_the_recent_replays,
     a_cancelled_reservation_leaves_no_pending_key,
 );

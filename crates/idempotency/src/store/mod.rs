@@ -304,7 +304,9 @@ pub enum Insertion {
 /// Implementations must make [`insert_pending`](Store::insert_pending) a single INSERT against the
 /// unique `(scope, operation, key)` constraint, committed on its own, whatever the isolation level
 /// of the server; and every update conditional on the lease token. See
-/// [`postgres::PgStore`](crate::store::postgres) and [`sqlite::SqliteStore`](crate::store::sqlite).
+/// [`postgres::PgStore`](crate::store::postgres) and [`sqlite::SqliteStore`](crate::store::sqlite),
+/// and the guide `docs/implementing-a-store.md` in the repository (the rules every method
+/// follows, and the conformance suite that proves a new store).
 ///
 /// ```no_run
 /// # #[cfg(feature = "sqlite")]
