@@ -154,8 +154,8 @@ fn attempt(scope: &str, key: &str, effects: Effects) -> Attempt {
 
 async fn run<S: Store>(store: &S, attempt: &Attempt) {
     Idempotency::new(store.clone())
-        .run(attempt, |_tx| {
-            Box::pin(async { Ok::<_, std::convert::Infallible>(json!({"order": 1})) })
+        .run(attempt, async |_tx| {
+            Ok::<_, std::convert::Infallible>(json!({"order": 1}))
         })
         .await
         .expect("purchase");

@@ -35,18 +35,16 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             let (idem, attempt) = (idem.clone(), attempt.clone());
             tokio::spawn(async move {
                 let outcome = idem
-                    .run(&attempt, |tx| {
-                        Box::pin(async move {
-                            tokio::time::sleep(Duration::from_millis(50)).await; // the payment call
-                            let id: i64 = sqlx::query_scalar(
-                                "INSERT INTO charges (amount_cents) VALUES (700) RETURNING id",
-                            )
-                            .fetch_one(&mut **tx)
-                            .await?;
-                            Ok::<_, sqlx::Error>(
-                                serde_json::json!({"charge_id": id, "amount_cents": 700}),
-                            )
-                        })
+                    .run(&attempt, async |tx| {
+                        tokio::time::sleep(Duration::from_millis(50)).await; // the payment call
+                        let id: i64 = sqlx::query_scalar(
+                            "INSERT INTO charges (amount_cents) VALUES (700) RETURNING id",
+                        )
+                        .fetch_one(&mut **tx)
+                        .await?;
+                        Ok::<_, sqlx::Error>(
+                            serde_json::json!({"charge_id": id, "amount_cents": 700}),
+                        )
                     })
                     .await;
                 (click, outcome)
@@ -65,8 +63,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
     }
     let again = idem
-        .run(&attempt, |_tx| {
-            Box::pin(async { Ok::<_, sqlx::Error>(serde_json::json!("never runs")) })
+        .run(&attempt, async |_tx| {
+            Ok::<_, sqlx::Error>(serde_json::json!("never runs"))
         })
         .await?;
     println!(

@@ -466,10 +466,10 @@ impl<S: Store> Consumer<S> {
         let attempt = Attempt::new(message.key.clone(), message.fingerprint);
         // A failed work's key is always released (nothing was committed); the failure is counted
         // afterwards, by `failed`. A panic is caught here so that it counts as a failure instead
-        // of taking the consumer down; `run_with` has released the key before re-raising it.
+        // of taking the consumer down; `run_boxed` has released the key before re-raising it.
         let ran = AssertUnwindSafe(
             self.engine
-                .run_with(&attempt, |_| AfterError::Release, work),
+                .run_boxed(&attempt, |_| AfterError::Release, work),
         )
         .catch_unwind()
         .await;

@@ -101,6 +101,12 @@ pub enum AfterError {
     Park(String),
 }
 
+/// How a run starts: with a stored result, or with the key held and the business transaction.
+enum Started<S: Store, R> {
+    Replayed(R),
+    Acquired(Lease<S>, sqlx::Transaction<'static, S::Database>),
+}
+
 /// The answer of [`Idempotency::reserve`].
 #[derive(Debug)]
 #[non_exhaustive]
@@ -332,10 +338,14 @@ impl<S: Store> Drop for Unclaimed<S> {
 ///     Fingerprint::of_json(&request)?,
 /// );
 /// let outcome = idem
-///     .run(&attempt, |tx| Box::pin(async move {
-///         sqlx::query("INSERT INTO orders (sku) VALUES ('tea')").execute(&mut **tx).await?;
+///     .run(&attempt, async |tx| {
+///         // The closure borrows `request`: no clone, no `move`.
+///         sqlx::query("INSERT INTO orders (sku) VALUES (?)")
+///             .bind(request["sku"].as_str())
+///             .execute(&mut **tx)
+///             .await?;
 ///         Ok::<_, sqlx::Error>(serde_json::json!({"order": 1}))
-///     }))
+///     })
 ///     .await?;
 /// match outcome {
 ///     Outcome::Executed(order) => println!("charged: {order}"),
@@ -658,21 +668,153 @@ impl<S: Store> Idempotency<S> {
     ///
     /// To store a *definitive* business refusal (so a replay refuses the same way), make it part
     /// of the result: return `Ok(Err(refusal))` with `R = Result<T, Refusal>`.
+    ///
+    /// The work is an async closure, `async |tx| { … }`, given the business transaction. It may
+    /// borrow the caller's data (the request, a reference to its state): the transaction is
+    /// only lent to it for the call. sqlx's executors are implemented for the connection, not
+    /// the transaction, so a query runs on `&mut **tx`; a helper taking
+    /// `&mut sqlx::Transaction<'_, DB>` gets `tx` itself.
+    ///
+    /// The closure must accept a transaction of any lifetime (`for<'c>`), not only the
+    /// `Transaction<'static, _>` it is given: with `'static` in the bound, rustc (up to at least
+    /// 1.95) cannot prove the future `Send` where it must be (`tokio::spawn`, axum), and reports
+    /// "implementation of `AsyncFnOnce` is not general enough". A helper the work calls with
+    /// `tx` therefore takes `&mut Transaction<'_, DB>`, not `&mut Transaction<'static, DB>`.
+    ///
+    /// ```
+    /// # #[cfg(feature = "sqlite")]
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use idempotency::{store::{sqlite::SqliteStore, Store}, Attempt, Fingerprint, Idempotency, IdempotencyKey};
+    ///
+    /// struct Order { sku: String, quantity: i64 }
+    ///
+    /// # let dir = tempfile::tempdir()?;
+    /// # let url = format!("sqlite://{}", dir.path().join("shop.db").display());
+    /// let store = SqliteStore::connect(&url).await?;
+    /// store.migrate().await?;
+    /// sqlx::query("CREATE TABLE orders (id INTEGER PRIMARY KEY, sku TEXT, quantity INTEGER)")
+    ///     .execute(store.pool())
+    ///     .await?;
+    /// let idem = Idempotency::new(store);
+    ///
+    /// let order = Order { sku: "tea".into(), quantity: 2 };
+    /// let attempt = Attempt::new(
+    ///     IdempotencyKey::new("user-42", "purchase", "k-1")?,
+    ///     Fingerprint::of_bytes(b"tea x2"),
+    /// );
+    /// for replay in [false, true] {
+    ///     let outcome = idem
+    ///         .run(&attempt, async |tx| {
+    ///             let id: i64 = sqlx::query_scalar(
+    ///                 "INSERT INTO orders (sku, quantity) VALUES (?, ?) RETURNING id",
+    ///             )
+    ///             .bind(&order.sku) // borrowed from the caller
+    ///             .bind(order.quantity)
+    ///             .fetch_one(&mut **tx)
+    ///             .await?;
+    ///             Ok::<_, sqlx::Error>(id)
+    ///         })
+    ///         .await?;
+    ///     assert_eq!(outcome.is_replayed(), replay);
+    ///     assert_eq!(outcome.into_inner(), 1);
+    /// }
+    /// # Ok(()) }
+    /// # #[cfg(not(feature = "sqlite"))]
+    /// # fn main() {}
+    /// ```
+    ///
+    /// # `Send`
+    ///
+    /// The future of `run` is `Send` (it can be given to `tokio::spawn`, or be an axum
+    /// handler's) whenever the closure's future is: the compiler sees through `run`'s future to
+    /// the closure's. Stable Rust cannot yet *name* that future in a bound
+    /// (`AsyncFnOnce::CallOnceFuture` is unstable; "return type notation" is not stable), so the
+    /// bound is not written here: a non-`Send` value held across an `.await` in the work shows
+    /// up as an error where the future must be `Send` (at `tokio::spawn`), not at `run`. The
+    /// usual workaround, `F: for<'t> FnOnce(&'t mut Tx) -> Fut` with `Fut: Send + 't` through a
+    /// helper trait, would forbid exactly what this signature is for: a closure that borrows the
+    /// caller's data (the compiler then requires those borrows to be `'static`).
+    ///
+    /// # Migrating from the boxed form
+    ///
+    /// Earlier versions took `F: for<'t> FnOnce(&'t mut Transaction) -> BoxFuture<'t, …>`, called
+    /// as `run(&attempt, |tx| Box::pin(async move { … }))`. Write `run(&attempt, async |tx| { … })`
+    /// instead: drop the `Box::pin(async move …)` wrapper and the clones made only to satisfy it.
+    /// The body is unchanged (queries still run on `&mut **tx`). A closure that must take
+    /// ownership of what it uses is written `async move |tx| { … }`. Helpers called with `tx`
+    /// that named `&mut Transaction<'static, DB>` now take `&mut Transaction<'_, DB>`.
     pub async fn run<R, E, F>(&self, attempt: &Attempt, work: F) -> Result<Outcome<R>, Error<E>>
     where
         R: Serialize + DeserializeOwned + Send,
         E: Send,
-        F: for<'t> FnOnce(
-                &'t mut sqlx::Transaction<'static, S::Database>,
-            ) -> BoxFuture<'t, Result<R, E>>
-            + Send,
+        F: for<'c> AsyncFnOnce(&mut sqlx::Transaction<'c, S::Database>) -> Result<R, E> + Send,
     {
         self.run_with(attempt, |_| AfterError::Release, work).await
     }
 
     /// Like [`run`](Self::run), but `on_error` decides whether a failed work releases the key or
-    /// parks it as `needs_review` (an outside effect may have happened).
+    /// parks it as `needs_review` (an outside effect may have happened). The work is the same
+    /// async closure as [`run`](Self::run)'s (see there for `Send` and for migrating from the
+    /// boxed form).
+    ///
+    /// ```
+    /// # #[cfg(feature = "sqlite")]
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use idempotency::{store::{sqlite::SqliteStore, Store}, AfterError, Attempt, Effects, Error, Fingerprint, Idempotency, IdempotencyKey};
+    ///
+    /// struct Mail { to: String }
+    ///
+    /// # let dir = tempfile::tempdir()?;
+    /// # let url = format!("sqlite://{}", dir.path().join("mail.db").display());
+    /// let store = SqliteStore::connect(&url).await?;
+    /// store.migrate().await?;
+    /// let idem = Idempotency::new(store);
+    ///
+    /// let mail = Mail { to: "ada@example.com".into() };
+    /// let attempt = Attempt::new(
+    ///     IdempotencyKey::new("user-42", "send-mail", "k-1")?,
+    ///     Fingerprint::of_bytes(mail.to.as_bytes()),
+    /// )
+    /// .with_effects(Effects::External);
+    /// let sent = idem
+    ///     .run_with(
+    ///         &attempt,
+    ///         |e: &String| AfterError::Park(format!("mail provider: {e}")),
+    ///         async |_tx| Err::<(), _>(format!("timed out sending to {}", mail.to)),
+    ///     )
+    ///     .await;
+    /// assert!(matches!(sent, Err(Error::Operation(_))));
+    /// // The key is parked: a retry is refused until someone looks at it.
+    /// assert!(idem.run(&attempt, async |_tx| Ok::<_, String>(())).await.is_err());
+    /// # Ok(()) }
+    /// # #[cfg(not(feature = "sqlite"))]
+    /// # fn main() {}
+    /// ```
     pub async fn run_with<R, E, F, C>(
+        &self,
+        attempt: &Attempt,
+        on_error: C,
+        work: F,
+    ) -> Result<Outcome<R>, Error<E>>
+    where
+        R: Serialize + DeserializeOwned + Send,
+        E: Send,
+        F: for<'c> AsyncFnOnce(&mut sqlx::Transaction<'c, S::Database>) -> Result<R, E> + Send,
+        C: FnOnce(&E) -> AfterError + Send,
+    {
+        let (lease, mut tx) = match self.start(attempt).await? {
+            Started::Replayed(stored) => return Ok(Outcome::Replayed(stored)),
+            Started::Acquired(lease, tx) => (lease, tx),
+        };
+        let ran = AssertUnwindSafe(work(&mut tx)).catch_unwind().await;
+        self.settle(attempt, lease, tx, ran, on_error).await
+    }
+
+    /// [`run_with`](Self::run_with) for work in the boxed form ([`Consumer`](crate::consumer::Consumer)
+    /// takes it).
+    pub(crate) async fn run_boxed<R, E, F, C>(
         &self,
         attempt: &Attempt,
         on_error: C,
@@ -687,24 +829,53 @@ impl<S: Store> Idempotency<S> {
             + Send,
         C: FnOnce(&E) -> AfterError + Send,
     {
+        let (lease, mut tx) = match self.start(attempt).await? {
+            Started::Replayed(stored) => return Ok(Outcome::Replayed(stored)),
+            Started::Acquired(lease, tx) => (lease, tx),
+        };
+        let ran = AssertUnwindSafe(work(&mut tx)).catch_unwind().await;
+        self.settle(attempt, lease, tx, ran, on_error).await
+    }
+
+    /// Steps 1 and 2 of a run: reserve (committed before any work), then begin the business
+    /// transaction.
+    async fn start<R: DeserializeOwned, E>(
+        &self,
+        attempt: &Attempt,
+    ) -> Result<Started<S, R>, Error<E>> {
         // 1. Reserve, committed before any work.
         let mut lease = match self.reserve(attempt).await.map_err(Error::widen)? {
             Reservation::Completed(bytes) => {
                 let stored = serde_json::from_slice(&bytes).map_err(Error::Serialization)?;
-                return Ok(Outcome::Replayed(stored));
+                return Ok(Started::Replayed(stored));
             }
             Reservation::Acquired(lease) => lease,
         };
 
-        // 2. Run the work in the business transaction.
-        let mut tx = match self.store.begin().await {
-            Ok(tx) => tx,
+        // 2. The business transaction the work runs in.
+        match self.store.begin().await {
+            Ok(tx) => Ok(Started::Acquired(lease, tx)),
             Err(e) => {
                 lease.release_quietly().await;
-                return Err(e.into());
+                Err(e.into())
             }
-        };
-        let ran = AssertUnwindSafe(work(&mut tx)).catch_unwind().await;
+        }
+    }
+
+    /// Step 3 of a run, once the work `ran` in `tx`: complete the key in the same transaction
+    /// and commit both; or roll back and release, park or abandon the key.
+    async fn settle<R, E, C>(
+        &self,
+        attempt: &Attempt,
+        mut lease: Lease<S>,
+        tx: sqlx::Transaction<'static, S::Database>,
+        ran: std::thread::Result<Result<R, E>>,
+        on_error: C,
+    ) -> Result<Outcome<R>, Error<E>>
+    where
+        R: Serialize,
+        C: FnOnce(&E) -> AfterError,
+    {
         let value = match ran {
             Ok(Ok(value)) => value,
             Ok(Err(e)) => {

@@ -91,13 +91,10 @@ async fn a_failing_operation_releases_the_key<S: Harness>(store: S) {
     let idem = Idempotency::new(store.clone());
     let trial = unique("fails");
     let a = attempt("user-1", &trial, json!({}));
-    let t = trial.clone();
     let err = idem
-        .run(&a, move |tx| {
-            Box::pin(async move {
-                S::insert_effect(tx, &t).await.unwrap();
-                Err::<serde_json::Value, _>("card declined by a flaky network")
-            })
+        .run(&a, async |tx| {
+            S::insert_effect(tx, &trial).await.unwrap();
+            Err::<serde_json::Value, _>("card declined by a flaky network")
         })
         .await
         .unwrap_err();
@@ -126,14 +123,12 @@ async fn a_panicking_operation_releases_the_key<S: Harness>(store: S) {
     let (idem2, a2, t) = (idem.clone(), a.clone(), trial.clone());
     let joined = tokio::spawn(async move {
         idem2
-            .run(&a2, move |tx| {
-                Box::pin(async move {
-                    S::insert_effect(tx, &t).await?;
-                    if t.starts_with("panics") {
-                        panic!("bug in the handler");
-                    }
-                    Ok::<_, sqlx::Error>(json!(null))
-                })
+            .run(&a2, async move |tx| {
+                S::insert_effect(tx, &t).await?;
+                if t.starts_with("panics") {
+                    panic!("bug in the handler");
+                }
+                Ok::<_, sqlx::Error>(json!(null))
             })
             .await
     })
@@ -155,13 +150,11 @@ async fn a_cancelled_operation_releases_the_key<S: Harness>(store: S) {
     let (idem2, a2, t) = (idem.clone(), a.clone(), trial.clone());
     let task = tokio::spawn(async move {
         idem2
-            .run(&a2, move |tx| {
-                Box::pin(async move {
-                    S::insert_effect(tx, &t).await?;
-                    started_tx.send(()).unwrap();
-                    tokio::time::sleep(Duration::from_secs(3600)).await;
-                    Ok::<_, sqlx::Error>(json!(null))
-                })
+            .run(&a2, async move |tx| {
+                S::insert_effect(tx, &t).await?;
+                started_tx.send(()).unwrap();
+                tokio::time::sleep(Duration::from_secs(3600)).await;
+                Ok::<_, sqlx::Error>(json!(null))
             })
             .await
     });
@@ -248,25 +241,20 @@ async fn a_worker_stalled_inside_its_transaction_is_fenced<S: Harness>(store: S)
     let (idem2, a2, t) = (idem.clone(), a.clone(), trial.clone());
     let stale = tokio::spawn(async move {
         idem2
-            .run(&a2, move |tx| {
-                Box::pin(async move {
-                    S::insert_effect(tx, &t).await?;
-                    wrote_tx.send(()).unwrap();
-                    tokio::time::sleep(Duration::from_millis(900)).await; // past the lease
-                    Ok::<_, sqlx::Error>(json!({"by": "stale"}))
-                })
+            .run(&a2, async move |tx| {
+                S::insert_effect(tx, &t).await?;
+                wrote_tx.send(()).unwrap();
+                tokio::time::sleep(Duration::from_millis(900)).await; // past the lease
+                Ok::<_, sqlx::Error>(json!({"by": "stale"}))
             })
             .await
     });
     wrote.await.unwrap();
     tokio::time::sleep(lease + Duration::from_millis(100)).await;
     let retry = idem
-        .run(&a, |tx| {
-            let t = trial.clone();
-            Box::pin(async move {
-                S::insert_effect(tx, &t).await?;
-                Ok::<_, sqlx::Error>(json!({"by": "retry"}))
-            })
+        .run(&a, async |tx| {
+            S::insert_effect(tx, &trial).await?;
+            Ok::<_, sqlx::Error>(json!({"by": "retry"}))
         })
         .await
         .unwrap();
@@ -315,12 +303,10 @@ async fn abandoned_external_work_stays_pending<S: Harness>(store: S) {
     let (idem2, a2) = (idem.clone(), a.clone());
     let task = tokio::spawn(async move {
         idem2
-            .run(&a2, move |_tx| {
-                Box::pin(async move {
-                    started_tx.send(()).unwrap(); // the mail is on its way
-                    tokio::time::sleep(Duration::from_secs(3600)).await;
-                    Ok::<_, sqlx::Error>(json!(null))
-                })
+            .run(&a2, async move |_tx| {
+                started_tx.send(()).unwrap(); // the mail is on its way
+                tokio::time::sleep(Duration::from_secs(3600)).await;
+                Ok::<_, sqlx::Error>(json!(null))
             })
             .await
     });
@@ -336,9 +322,7 @@ async fn abandoned_external_work_stays_pending<S: Harness>(store: S) {
     let (idem3, b2) = (idem.clone(), b.clone());
     let joined = tokio::spawn(async move {
         idem3
-            .run(&b2, |_tx| {
-                Box::pin(async { panic!("bug after calling the provider") })
-            })
+            .run(&b2, async |_tx| panic!("bug after calling the provider"))
             .await as Result<Outcome<()>, Error<sqlx::Error>>
     })
     .await;
@@ -375,13 +359,10 @@ async fn a_definitive_refusal_is_stored_and_replayed<S: Harness>(store: S) {
     let a = attempt("user-1", &trial, json!({"amount": 10_000_000}));
     let calls = Arc::new(AtomicUsize::new(0));
     for expected_replay in [false, true] {
-        let calls = calls.clone();
         let outcome = idem
-            .run(&a, move |_tx| {
-                Box::pin(async move {
-                    calls.fetch_add(1, Ordering::SeqCst);
-                    Ok::<Result<u64, Refusal>, sqlx::Error>(Err(Refusal::InsufficientFunds))
-                })
+            .run(&a, async |_tx| {
+                calls.fetch_add(1, Ordering::SeqCst);
+                Ok::<Result<u64, Refusal>, sqlx::Error>(Err(Refusal::InsufficientFunds))
             })
             .await
             .unwrap();
@@ -400,7 +381,7 @@ async fn an_unknown_external_outcome_parks_the_key<S: Harness>(store: S) {
         .run_with(
             &a,
             |e: &&str| AfterError::Park(format!("mail provider: {e}")),
-            |_tx| Box::pin(async { Err::<(), _>("timed out after sending") }),
+            async |_tx| Err::<(), _>("timed out after sending"),
         )
         .await
         .unwrap_err();
@@ -580,6 +561,51 @@ async fn a_cancelled_reservation_leaves_no_pending_key<S: Harness>(store: S) {
     assert_eq!(left, 0, "keys left pending by cancelled reservations");
 }
 
+/// The request, owned by the caller; the work only borrows it.
+struct Order {
+    trial: String,
+    quantity: u64,
+}
+
+fn assert_send<T: Send>(value: T) -> T {
+    value
+}
+
+/// The work is an async closure that borrows the caller's request and counter (no clone, no
+/// `move`), and `run`'s future is still `Send`: it is spawned on the multi-threaded runtime.
+async fn work_borrowing_the_request_is_send_and_runs_once<S: Harness>(store: S) {
+    let idem = Idempotency::new(store.clone());
+    let trial = unique("borrowed");
+    let a = attempt("user-1", &trial, json!({"sku": "tea", "quantity": 2}));
+    let task = tokio::spawn(async move {
+        let order = Order {
+            trial: trial.clone(),
+            quantity: 2,
+        };
+        let calls = AtomicUsize::new(0);
+        let mut outcomes = Vec::new();
+        for _ in 0..2 {
+            let run = idem.run(&a, async |tx| {
+                calls.fetch_add(1, Ordering::SeqCst);
+                S::insert_effect(tx, &order.trial).await?;
+                tokio::task::yield_now().await; // `tx` and the borrows are held across awaits
+                S::insert_effect(&mut *tx, &format!("{}-again", order.trial)).await?;
+                Ok::<_, sqlx::Error>(json!({"trial": &order.trial, "quantity": order.quantity}))
+            });
+            outcomes.push(assert_send(run).await.unwrap());
+        }
+        (trial, outcomes, calls.into_inner())
+    });
+    let (trial, outcomes, calls) = task.await.unwrap();
+    let stored = json!({"trial": trial, "quantity": 2});
+    assert_eq!(
+        outcomes,
+        [Outcome::Executed(stored.clone()), Outcome::Replayed(stored)]
+    );
+    assert_eq!(calls, 1, "the replay did not run the work");
+    assert_eq!(store.count_effects(&trial).await, 1);
+}
+
 /// ≥ 200 trials of ≥ 8 tasks racing one new key: the effect happens exactly once per trial.
 async fn concurrent_duplicates_execute_exactly_once<S: Harness>(store: S) {
     race(store, 200, 8).await;
@@ -606,4 +632,5 @@ backend_tests!(
     without_the_replay_read_the_insert_decides,
     the_default_replay_read_follows_the_recent_replays,
     a_cancelled_reservation_leaves_no_pending_key,
+    work_borrowing_the_request_is_send_and_runs_once,
 );

@@ -369,7 +369,7 @@ where
 
 /// Writes the business row of a trial inside the business transaction.
 type EffectFn<DB> = for<'t> fn(
-    &'t mut sqlx::Transaction<'static, DB>,
+    &'t mut sqlx::Transaction<'_, DB>,
     &'t str,
 ) -> BoxFuture<'t, Result<(), sqlx::Error>>;
 
@@ -388,13 +388,11 @@ fn reserve_first<S: Store>(
         trial.barrier.wait().await;
         let t = trial.clone();
         let outcome = idem
-            .run(&attempt, move |tx| {
-                Box::pin(async move {
-                    t.enter_work();
-                    tokio::time::sleep(work).await;
-                    insert(tx, &t.key).await?;
-                    Ok::<_, sqlx::Error>(())
-                })
+            .run(&attempt, async move |tx| {
+                t.enter_work();
+                tokio::time::sleep(work).await;
+                insert(tx, &t.key).await?;
+                Ok::<_, sqlx::Error>(())
             })
             .await;
         match outcome {
@@ -462,7 +460,7 @@ async fn pg_worker(
 }
 
 fn pg_effect<'t>(
-    tx: &'t mut sqlx::Transaction<'static, sqlx::Postgres>,
+    tx: &'t mut sqlx::Transaction<'_, sqlx::Postgres>,
     key: &'t str,
 ) -> BoxFuture<'t, Result<(), sqlx::Error>> {
     Box::pin(async move {
@@ -610,7 +608,7 @@ async fn mysql_worker(
 }
 
 fn mysql_effect<'t>(
-    tx: &'t mut sqlx::Transaction<'static, sqlx::MySql>,
+    tx: &'t mut sqlx::Transaction<'_, sqlx::MySql>,
     key: &'t str,
 ) -> BoxFuture<'t, Result<(), sqlx::Error>> {
     Box::pin(async move {
@@ -773,7 +771,7 @@ async fn sqlite_worker(
 }
 
 fn sqlite_effect<'t>(
-    tx: &'t mut sqlx::Transaction<'static, sqlx::Sqlite>,
+    tx: &'t mut sqlx::Transaction<'_, sqlx::Sqlite>,
     key: &'t str,
 ) -> BoxFuture<'t, Result<(), sqlx::Error>> {
     Box::pin(async move {

@@ -20,7 +20,7 @@ pub trait Harness: Store + Sized {
 
     /// The business write: one row in `effects` for `trial`, inside the business transaction.
     fn insert_effect<'t>(
-        tx: &'t mut Transaction<'static, Self::Database>,
+        tx: &'t mut Transaction<'_, Self::Database>,
         trial: &'t str,
     ) -> BoxFuture<'t, Result<(), sqlx::Error>>;
 
@@ -48,7 +48,7 @@ impl Harness for PgStore {
     }
 
     fn insert_effect<'t>(
-        tx: &'t mut Transaction<'static, sqlx::Postgres>,
+        tx: &'t mut Transaction<'_, sqlx::Postgres>,
         trial: &'t str,
     ) -> BoxFuture<'t, Result<(), sqlx::Error>> {
         Box::pin(async move {
@@ -89,7 +89,7 @@ impl Harness for SqliteStore {
     }
 
     fn insert_effect<'t>(
-        tx: &'t mut Transaction<'static, sqlx::Sqlite>,
+        tx: &'t mut Transaction<'_, sqlx::Sqlite>,
         trial: &'t str,
     ) -> BoxFuture<'t, Result<(), sqlx::Error>> {
         Box::pin(async move {
@@ -132,7 +132,7 @@ impl Harness for idempotency::store::mysql::MySqlStore {
     }
 
     fn insert_effect<'t>(
-        tx: &'t mut Transaction<'static, sqlx::MySql>,
+        tx: &'t mut Transaction<'_, sqlx::MySql>,
         trial: &'t str,
     ) -> BoxFuture<'t, Result<(), sqlx::Error>> {
         Box::pin(async move {
@@ -208,12 +208,9 @@ pub async fn purchase<S: Harness>(
     trial: &str,
     n: u64,
 ) -> Result<Outcome<serde_json::Value>, Error<sqlx::Error>> {
-    let trial = trial.to_owned();
-    idem.run(attempt, move |tx| {
-        Box::pin(async move {
-            S::insert_effect(tx, &trial).await?;
-            Ok(json!({"trial": trial, "n": n}))
-        })
+    idem.run(attempt, async |tx| {
+        S::insert_effect(tx, trial).await?;
+        Ok(json!({"trial": trial, "n": n}))
     })
     .await
 }
@@ -233,12 +230,10 @@ pub async fn race<S: Harness>(store: S, trials: usize, tasks: usize) {
                     let a = attempt("racer", &trial, json!({"trial": trial}));
                     barrier.wait().await;
                     let t = trial.clone();
-                    idem.run(&a, move |tx| {
-                        Box::pin(async move {
-                            S::insert_effect(tx, &t).await?;
-                            tokio::time::sleep(Duration::from_millis(3)).await;
-                            Ok::<_, sqlx::Error>(json!({"trial": t}))
-                        })
+                    idem.run(&a, async move |tx| {
+                        S::insert_effect(tx, &t).await?;
+                        tokio::time::sleep(Duration::from_millis(3)).await;
+                        Ok::<_, sqlx::Error>(json!({"trial": t}))
                     })
                     .await
                 })
