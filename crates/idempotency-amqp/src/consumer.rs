@@ -21,6 +21,7 @@ use lapin::{
 use std::{
     future::Future,
     panic::AssertUnwindSafe,
+    pin::Pin,
     sync::{
         atomic::{AtomicU64, Ordering},
         Arc,
@@ -227,33 +228,18 @@ impl<S: Store, H: Handler<S>> AmqpConsumer<S, H> {
             dead_letter,
             tag,
         } = self;
-        let mut report = ConsumerReport::default();
-        let started = async {
-            channel
-                .basic_qos(prefetch, BasicQosOptions::default())
-                .await?;
-            if dead_letter.is_some() {
-                channel
-                    .confirm_select(ConfirmSelectOptions::default())
-                    .await?;
-            }
-            channel
-                .basic_consume(
-                    queue.as_str().into(),
-                    tag.as_str().into(),
-                    BasicConsumeOptions::default(),
-                    FieldTable::default(),
-                )
-                .await
-        };
+        let started = start(&channel, &queue, &tag, prefetch, dead_letter.is_some());
         let mut deliveries = match started.await {
             Ok(deliveries) => deliveries,
-            Err(source) => return Err(ConsumerError::Amqp { source, report }),
+            Err(source) => {
+                let report = ConsumerReport::default();
+                return Err(ConsumerError::Amqp { source, report });
+            }
         };
         tracing::info!(%queue, prefetch, concurrency, "consuming");
         let (stopping, stop_holds) = watch::channel(false);
         let settler = Arc::new(Settler {
-            channel: channel.clone(),
+            channel,
             queue,
             scope,
             max_hold,
@@ -261,84 +247,152 @@ impl<S: Store, H: Handler<S>> AmqpConsumer<S, H> {
             stopping: stop_holds,
             in_flight: AtomicU64::new(0),
         });
-        let (consumer, handler) = (Arc::new(consumer), Arc::new(handler));
-        let slots = Arc::new(Semaphore::new(concurrency));
-        let mut tasks = JoinSet::new();
-        let mut stopped_by = None;
+        let mut run = Run {
+            settler,
+            consumer: Arc::new(consumer),
+            handler: Arc::new(handler),
+            slots: Arc::new(Semaphore::new(concurrency)),
+            tasks: JoinSet::new(),
+            report: ConsumerReport::default(),
+        };
         tokio::pin!(shutdown);
+        let mut stopped_by = run.consume(&mut deliveries, shutdown).await;
+
+        // Graceful shutdown: no new deliveries, the buffered ones back to the queue, the held
+        // ones requeued now, the running ones finished.
+        let _ = stopping.send(true);
+        if stopped_by.is_none() {
+            stopped_by = run.cancel(&mut deliveries).await;
+        }
+        run.finish(stopped_by).await
+    }
+}
+
+/// Sets the prefetch, the confirm mode a dead-letter exchange needs, and starts consuming.
+async fn start(
+    channel: &Channel,
+    queue: &str,
+    tag: &str,
+    prefetch: u16,
+    confirms: bool,
+) -> Result<lapin::Consumer, lapin::Error> {
+    channel
+        .basic_qos(prefetch, BasicQosOptions::default())
+        .await?;
+    if confirms {
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await?;
+    }
+    channel
+        .basic_consume(
+            queue.into(),
+            tag.into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+}
+
+/// One run of a consumer: the delivery tasks, what they share, and the report so far.
+struct Run<S, H> {
+    settler: Arc<Settler>,
+    consumer: Arc<Consumer<S>>,
+    handler: Arc<H>,
+    slots: Arc<Semaphore>,
+    tasks: JoinSet<Settled>,
+    report: ConsumerReport,
+}
+
+impl<S: Store, H: Handler<S>> Run<S, H> {
+    /// Takes deliveries, each in a task of its own once a slot is free, until `shutdown`
+    /// completes (`None`) or the deliveries stop: the error that stopped them.
+    async fn consume<F: Future<Output = ()>>(
+        &mut self,
+        deliveries: &mut lapin::Consumer,
+        mut shutdown: Pin<&mut F>,
+    ) -> Option<ConsumerError> {
         loop {
             let slot = tokio::select! {
                 biased;
-                () = &mut shutdown => break,
-                slot = slots.clone().acquire_owned() => slot.expect("the semaphore is never closed"),
+                () = &mut shutdown => return None,
+                slot = self.slots.clone().acquire_owned() => slot.expect("the semaphore is never closed"),
             };
             let delivery = tokio::select! {
                 biased;
-                () = &mut shutdown => break,
+                () = &mut shutdown => return None,
                 delivery = deliveries.next() => delivery,
             };
             match delivery {
                 Some(Ok(delivery)) => {
-                    let (settler, consumer, handler) =
-                        (settler.clone(), consumer.clone(), handler.clone());
-                    tasks.spawn(async move {
+                    let (settler, consumer, handler) = (
+                        self.settler.clone(),
+                        self.consumer.clone(),
+                        self.handler.clone(),
+                    );
+                    self.tasks.spawn(async move {
                         let settled = settler.process(&consumer, &*handler, delivery).await;
                         drop(slot);
                         settled
                     });
                 }
                 Some(Err(source)) => {
-                    stopped_by = Some(ConsumerError::Amqp {
-                        source,
-                        report: ConsumerReport::default(),
-                    });
-                    break;
+                    let report = ConsumerReport::default();
+                    return Some(ConsumerError::Amqp { source, report });
                 }
                 None => {
-                    stopped_by = Some(ConsumerError::Cancelled {
-                        report: ConsumerReport::default(),
-                    });
-                    break;
+                    let report = ConsumerReport::default();
+                    return Some(ConsumerError::Cancelled { report });
                 }
             }
-            while let Some(done) = tasks.try_join_next() {
-                report.add(done.unwrap_or(Settled::Unsettled));
+            while let Some(done) = self.tasks.try_join_next() {
+                self.report.add(done.unwrap_or(Settled::Unsettled));
             }
         }
+    }
 
-        // Graceful shutdown: no new deliveries, the buffered ones back to the queue, the held
-        // ones requeued now, the running ones finished.
-        let _ = stopping.send(true);
-        if stopped_by.is_none() {
-            let tag = deliveries.tag();
-            match channel
-                .basic_cancel(tag, BasicCancelOptions::default())
-                .await
-            {
-                Ok(()) => {
-                    while let Ok(Some(Ok(delivery))) =
-                        tokio::time::timeout(DRAIN_WAIT, deliveries.next()).await
-                    {
-                        report.add(settler.requeue_unstarted(&delivery.acker).await);
-                    }
+    /// Stops the deliveries (`basic.cancel`) and requeues those received but not started; the
+    /// error if the cancel failed.
+    async fn cancel(&mut self, deliveries: &mut lapin::Consumer) -> Option<ConsumerError> {
+        let tag = deliveries.tag();
+        match self
+            .settler
+            .channel
+            .basic_cancel(tag, BasicCancelOptions::default())
+            .await
+        {
+            Ok(()) => {
+                while let Ok(Some(Ok(delivery))) =
+                    tokio::time::timeout(DRAIN_WAIT, deliveries.next()).await
+                {
+                    let settled = self.settler.requeue_unstarted(&delivery.acker).await;
+                    self.report.add(settled);
                 }
-                Err(source) => {
-                    stopped_by = Some(ConsumerError::Amqp {
-                        source,
-                        report: ConsumerReport::default(),
-                    })
-                }
+                None
+            }
+            Err(source) => {
+                let report = ConsumerReport::default();
+                Some(ConsumerError::Amqp { source, report })
             }
         }
+    }
+
+    /// Waits for the deliveries whose work is running to be settled, and returns the report
+    /// (with the error that stopped the run, if one did).
+    async fn finish(
+        mut self,
+        stopped_by: Option<ConsumerError>,
+    ) -> Result<ConsumerReport, ConsumerError> {
+        let settler = &self.settler;
         let in_flight = settler.in_flight.load(Ordering::Relaxed);
         tracing::info!(queue = %settler.queue, in_flight, "stopping: finishing the deliveries in flight");
-        while let Some(done) = tasks.join_next().await {
-            report.add(done.unwrap_or(Settled::Unsettled));
+        while let Some(done) = self.tasks.join_next().await {
+            self.report.add(done.unwrap_or(Settled::Unsettled));
         }
-        tracing::info!(queue = %settler.queue, %report, "stopped");
+        tracing::info!(queue = %settler.queue, report = %self.report, "stopped");
         match stopped_by {
-            None => Ok(report),
-            Some(error) => Err(error.with_report(report)),
+            None => Ok(self.report),
+            Some(error) => Err(error.with_report(self.report)),
         }
     }
 }

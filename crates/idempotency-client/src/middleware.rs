@@ -185,6 +185,226 @@ impl IdempotencyMiddleware {
 /// What ends the loop: the answer (or error) to give back.
 type Answer = reqwest_middleware::Result<Response>;
 
+/// What one attempt got back: the answer read in full with its replay mark, or the error.
+type Read = reqwest_middleware::Result<(Inspected, bool)>;
+
+/// One logical operation: its rules, and what it did so far.
+struct Operation {
+    policy: RetryPolicy,
+    probe: Option<Probe>,
+    started: Instant,
+    resendable: bool,
+    replayable: bool,
+    outcome: Outcome,
+}
+
+impl Operation {
+    /// The request to send as attempt `number`: a copy while another attempt may follow, else
+    /// the original itself.
+    fn request(&self, request: &mut Option<Request>, number: u32) -> Request {
+        let last_allowed = number >= self.policy.max_attempts.max(1) || !self.replayable;
+        match (last_allowed, request.as_ref().and_then(Request::try_clone)) {
+            (false, Some(copy)) => copy,
+            _ => request
+                .take()
+                .expect("the request is sent at most once more"),
+        }
+    }
+
+    /// Stop (and why), or the pause before the next attempt.
+    fn decide(
+        &self,
+        verdict: Verdict,
+        number: u32,
+        retry_after: Option<Duration>,
+    ) -> Result<Duration, StopReason> {
+        let stop = match verdict {
+            Verdict::Final => Some(StopReason::Answered),
+            Verdict::KeyReused => Some(StopReason::KeyReused),
+            Verdict::RetryIfResendable if !self.resendable => Some(StopReason::NotRetryable),
+            _ if !self.replayable => Some(StopReason::BodyNotReplayable),
+            _ if number >= self.policy.max_attempts.max(1) => Some(StopReason::MaxAttempts),
+            _ => None,
+        };
+        if let Some(stop) = stop {
+            return Err(stop);
+        }
+        let pause =
+            retry_after.unwrap_or_else(|| self.policy.backoff_pause(number.saturating_sub(1)));
+        if self.started.elapsed() + pause < self.policy.deadline {
+            Ok(pause)
+        } else {
+            Err(StopReason::Deadline)
+        }
+    }
+}
+
+/// Sends one attempt with what is `left` of the deadline; `None` if the deadline passed during
+/// it.
+async fn send(
+    mut request: Request,
+    left: Duration,
+    extensions: &mut Extensions,
+    next: Next<'_>,
+) -> Option<reqwest_middleware::Result<Response>> {
+    let own_timeout = request.timeout().copied();
+    if let Some(timeout) = own_timeout {
+        *request.timeout_mut() = Some(timeout.min(left.max(Duration::from_millis(1))));
+    }
+    match own_timeout {
+        // A timeout of its own, lowered to the deadline: reqwest cuts the attempt.
+        Some(_) => Some(next.run(request, extensions).await),
+        None => tokio::time::timeout(left, next.run(request, extensions))
+            .await
+            .ok(),
+    }
+}
+
+/// Reads the answer: status, replay mark, hint, and for 409/422 the problem type.
+async fn read(response: Response, number: u32, took: Duration) -> (Read, AttemptRecord, Verdict) {
+    let replayed = response
+        .headers()
+        .get(IDEMPOTENT_REPLAYED)
+        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"true"));
+    let retry_after = hint(response.headers());
+    let problem_json = response
+        .headers()
+        .get(reqwest::header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"application/problem+json"));
+    let status = response.status();
+    match Inspected::read(response).await {
+        Ok(inspected) => {
+            let verdict = classify(status, replayed, retry_after, &inspected);
+            let record = AttemptRecord {
+                number,
+                result: AttemptResult::Status(status),
+                replayed,
+                problem_type: inspected.problem_type().map(str::to_owned),
+                problem_json,
+                retry_after,
+                took,
+                pause: None,
+            };
+            (Ok((inspected, replayed)), record, verdict)
+        }
+        Err(error) => {
+            let record = AttemptRecord {
+                number,
+                result: AttemptResult::Transport {
+                    kind: TransportKind::Body,
+                    message: error.to_string(),
+                },
+                replayed,
+                problem_type: None,
+                problem_json,
+                retry_after,
+                took,
+                pause: None,
+            };
+            (Err(error.into()), record, Verdict::RetryIfResendable)
+        }
+    }
+}
+
+/// An attempt that got no answer: what kind of failure, and whether it may be retried.
+fn failed(
+    error: reqwest_middleware::Error,
+    number: u32,
+    took: Duration,
+) -> (Read, AttemptRecord, Verdict) {
+    let (result, verdict) = match &error {
+        reqwest_middleware::Error::Reqwest(e) => {
+            let kind = TransportKind::of(e);
+            let verdict = match kind {
+                TransportKind::Connect => Verdict::Retry,
+                TransportKind::Timeout | TransportKind::Request | TransportKind::Body => {
+                    Verdict::RetryIfResendable
+                }
+                TransportKind::Other => Verdict::Final,
+            };
+            let result = AttemptResult::Transport {
+                kind,
+                message: e.to_string(),
+            };
+            (result, verdict)
+        }
+        reqwest_middleware::Error::Middleware(e) => (
+            AttemptResult::Transport {
+                kind: TransportKind::Other,
+                message: e.to_string(),
+            },
+            Verdict::Final,
+        ),
+    };
+    let record = AttemptRecord {
+        number,
+        result,
+        replayed: false,
+        problem_type: None,
+        problem_json: false,
+        retry_after: None,
+        took,
+        pause: None,
+    };
+    (Err(error), record, verdict)
+}
+
+impl IdempotencyMiddleware {
+    /// The deadline passed during attempt `number`, which had no timeout of its own.
+    fn deadline_passed(&self, mut operation: Operation, number: u32, took: Duration) -> Answer {
+        operation.outcome.attempts.push(AttemptRecord {
+            number,
+            result: AttemptResult::Transport {
+                kind: TransportKind::Timeout,
+                message: "the operation's deadline passed".into(),
+            },
+            replayed: false,
+            problem_type: None,
+            problem_json: false,
+            retry_after: None,
+            took,
+            pause: None,
+        });
+        operation.outcome.stopped = Some(StopReason::Deadline);
+        operation.outcome.elapsed = operation.started.elapsed();
+        self.report(&operation.outcome, operation.probe.as_ref());
+        Err(reqwest_middleware::Error::middleware(
+            IdempotencyError::Deadline {
+                deadline: operation.policy.deadline,
+                attempt: number,
+                outcome: Box::new(operation.outcome),
+            },
+        ))
+    }
+
+    /// Stops with the last attempt's answer, the outcome attached.
+    fn stop(&self, operation: Operation, answer: Read, stop: StopReason) -> Answer {
+        let mut outcome = operation.outcome;
+        outcome.stopped = Some(stop);
+        outcome.replayed = matches!(&answer, Ok((_, true)));
+        outcome.elapsed = operation.started.elapsed();
+        self.report(&outcome, operation.probe.as_ref());
+        match answer {
+            Ok((inspected, _)) if stop == StopReason::KeyReused => {
+                let detail = inspected.detail();
+                Err(reqwest_middleware::Error::middleware(
+                    IdempotencyError::KeyReused {
+                        key: outcome.key.clone(),
+                        detail,
+                        outcome: Box::new(outcome),
+                    },
+                ))
+            }
+            Ok((inspected, _)) => {
+                let mut response = inspected.into_response();
+                response.extensions_mut().insert(outcome);
+                Ok(response)
+            }
+            Err(error) => Err(error),
+        }
+    }
+}
+
 #[async_trait::async_trait]
 impl Middleware for IdempotencyMiddleware {
     async fn handle(
@@ -200,7 +420,7 @@ impl Middleware for IdempotencyMiddleware {
         let probe = extensions.get::<Probe>().cloned();
         let key = self.key(&mut request, extensions);
         let started = Instant::now();
-        let mut outcome = Outcome {
+        let outcome = Outcome {
             key: key.clone(),
             ..Outcome::default()
         };
@@ -210,197 +430,42 @@ impl Middleware for IdempotencyMiddleware {
             || is_idempotent(request.method())
             || extensions.get::<Resendable>().is_some();
         let replayable = request.try_clone().is_some();
+        let mut operation = Operation {
+            policy,
+            probe,
+            started,
+            resendable,
+            replayable,
+            outcome,
+        };
         let mut request = Some(request);
 
         loop {
-            let number = outcome.attempts.len() as u32 + 1;
+            let number = operation.outcome.attempts.len() as u32 + 1;
             let left = policy.deadline.saturating_sub(started.elapsed());
-            let last_allowed = number >= policy.max_attempts.max(1) || !replayable;
-            let mut this = match (last_allowed, request.as_ref().and_then(Request::try_clone)) {
-                (false, Some(copy)) => copy,
-                _ => request
-                    .take()
-                    .expect("the request is sent at most once more"),
-            };
-            let own_timeout = this.timeout().copied();
-            if let Some(timeout) = own_timeout {
-                *this.timeout_mut() = Some(timeout.min(left.max(Duration::from_millis(1))));
-            }
+            let this = operation.request(&mut request, number);
             let sent_at = Instant::now();
-            let ran = match own_timeout {
-                // A timeout of its own, lowered to the deadline: reqwest cuts the attempt.
-                Some(_) => Some(next.clone().run(this, extensions).await),
-                None => tokio::time::timeout(left, next.clone().run(this, extensions))
-                    .await
-                    .ok(),
-            };
+            let ran = send(this, left, extensions, next.clone()).await;
             let took = sent_at.elapsed();
-            let Some(ran) = ran else {
-                // The deadline passed during an attempt without a timeout of its own.
-                outcome.attempts.push(AttemptRecord {
-                    number,
-                    result: AttemptResult::Transport {
-                        kind: TransportKind::Timeout,
-                        message: "the operation's deadline passed".into(),
-                    },
-                    replayed: false,
-                    problem_type: None,
-                    problem_json: false,
-                    retry_after: None,
-                    took,
-                    pause: None,
-                });
-                outcome.stopped = Some(StopReason::Deadline);
-                outcome.elapsed = started.elapsed();
-                self.report(&outcome, probe.as_ref());
-                return Err(reqwest_middleware::Error::middleware(
-                    IdempotencyError::Deadline {
-                        deadline: policy.deadline,
-                        attempt: number,
-                        outcome: Box::new(outcome),
-                    },
-                ));
-            };
-
-            // Read the answer: status, replay mark, hint, and for 409/422 the problem type.
             let (answer, record, verdict) = match ran {
-                Ok(response) => {
-                    let replayed = response
-                        .headers()
-                        .get(IDEMPOTENT_REPLAYED)
-                        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"true"));
-                    let retry_after = hint(response.headers());
-                    let problem_json = response
-                        .headers()
-                        .get(reqwest::header::CONTENT_TYPE)
-                        .is_some_and(|v| v.as_bytes().starts_with(b"application/problem+json"));
-                    let status = response.status();
-                    match Inspected::read(response).await {
-                        Ok(inspected) => {
-                            let verdict = classify(status, replayed, retry_after, &inspected);
-                            let record = AttemptRecord {
-                                number,
-                                result: AttemptResult::Status(status),
-                                replayed,
-                                problem_type: inspected.problem_type().map(str::to_owned),
-                                problem_json,
-                                retry_after,
-                                took,
-                                pause: None,
-                            };
-                            (Ok((inspected, replayed)), record, verdict)
-                        }
-                        Err(error) => {
-                            let record = AttemptRecord {
-                                number,
-                                result: AttemptResult::Transport {
-                                    kind: TransportKind::Body,
-                                    message: error.to_string(),
-                                },
-                                replayed,
-                                problem_type: None,
-                                problem_json,
-                                retry_after,
-                                took,
-                                pause: None,
-                            };
-                            (Err(error.into()), record, Verdict::RetryIfResendable)
-                        }
-                    }
-                }
-                Err(error) => {
-                    let (result, verdict) = match &error {
-                        reqwest_middleware::Error::Reqwest(e) => {
-                            let kind = TransportKind::of(e);
-                            let verdict = match kind {
-                                TransportKind::Connect => Verdict::Retry,
-                                TransportKind::Timeout
-                                | TransportKind::Request
-                                | TransportKind::Body => Verdict::RetryIfResendable,
-                                TransportKind::Other => Verdict::Final,
-                            };
-                            let result = AttemptResult::Transport {
-                                kind,
-                                message: e.to_string(),
-                            };
-                            (result, verdict)
-                        }
-                        reqwest_middleware::Error::Middleware(e) => (
-                            AttemptResult::Transport {
-                                kind: TransportKind::Other,
-                                message: e.to_string(),
-                            },
-                            Verdict::Final,
-                        ),
-                    };
-                    let record = AttemptRecord {
-                        number,
-                        result,
-                        replayed: false,
-                        problem_type: None,
-                        problem_json: false,
-                        retry_after: None,
-                        took,
-                        pause: None,
-                    };
-                    (Err(error), record, verdict)
-                }
+                // The deadline passed during an attempt without a timeout of its own.
+                None => return self.deadline_passed(operation, number, took),
+                Some(Ok(response)) => read(response, number, took).await,
+                Some(Err(error)) => failed(error, number, took),
             };
-            tracing::debug!(key = ?outcome.key, attempt = number, result = ?record.result, replayed = record.replayed, retry_after = ?record.retry_after, "idempotent request attempt");
+            tracing::debug!(key = ?operation.outcome.key, attempt = number, result = ?record.result, replayed = record.replayed, retry_after = ?record.retry_after, "idempotent request attempt");
             let retry_after = record.retry_after;
-            outcome.attempts.push(record);
+            operation.outcome.attempts.push(record);
 
             // Decide: stop with this answer, or pause and send again.
-            let stop = match verdict {
-                Verdict::Final => Some(StopReason::Answered),
-                Verdict::KeyReused => Some(StopReason::KeyReused),
-                Verdict::RetryIfResendable if !resendable => Some(StopReason::NotRetryable),
-                _ if !replayable => Some(StopReason::BodyNotReplayable),
-                _ if number >= policy.max_attempts.max(1) => Some(StopReason::MaxAttempts),
-                _ => None,
+            let pause = match operation.decide(verdict, number, retry_after) {
+                Ok(pause) => pause,
+                Err(stop) => return self.stop(operation, answer, stop),
             };
-            let pause = match stop {
-                Some(_) => None,
-                None => {
-                    let pause = retry_after
-                        .unwrap_or_else(|| policy.backoff_pause(number.saturating_sub(1)));
-                    (started.elapsed() + pause < policy.deadline).then_some(pause)
-                }
-            };
-            let stop = match (stop, pause) {
-                (Some(stop), _) => Some(stop),
-                (None, None) => Some(StopReason::Deadline),
-                (None, Some(_)) => None,
-            };
-            if let Some(stop) = stop {
-                outcome.stopped = Some(stop);
-                outcome.replayed = matches!(&answer, Ok((_, true)));
-                outcome.elapsed = started.elapsed();
-                self.report(&outcome, probe.as_ref());
-                return match answer {
-                    Ok((inspected, _)) if stop == StopReason::KeyReused => {
-                        let detail = inspected.detail();
-                        Err(reqwest_middleware::Error::middleware(
-                            IdempotencyError::KeyReused {
-                                key: outcome.key.clone(),
-                                detail,
-                                outcome: Box::new(outcome),
-                            },
-                        ))
-                    }
-                    Ok((inspected, _)) => {
-                        let mut response = inspected.into_response();
-                        response.extensions_mut().insert(outcome);
-                        Ok(response)
-                    }
-                    Err(error) => Err(error),
-                };
-            }
-            let pause = pause.expect("a retry has its pause");
-            if let Some(last) = outcome.attempts.last_mut() {
+            if let Some(last) = operation.outcome.attempts.last_mut() {
                 last.pause = Some(pause);
             }
-            self.report(&outcome, probe.as_ref());
+            self.report(&operation.outcome, operation.probe.as_ref());
             drop(answer);
             tokio::time::sleep(pause).await;
         }

@@ -354,27 +354,7 @@ impl<S: Maintenance, R: Resolver> Recovery<S, R> {
         // From here on we hold the key with `token`; every write below is conditional on it.
         if let (Some((engine, operations)), true) = (&self.operations, registered) {
             if record.effects == Effects::External {
-                // Resume from the row as of the claim (see `Idempotency::claimed_row`).
-                let Some(claimed) = engine.claimed_row(key, token).await? else {
-                    report.note(Decision::Unknown, false);
-                    return Ok(());
-                };
-                let lease = engine.claimed_lease(&claimed, token);
-                let (decision, done) = match operations.resume(engine, lease, &claimed).await {
-                    Ok(Resumed::Settled(Settlement::Completed)) => (Decision::Completed, true),
-                    Ok(Resumed::Settled(_)) => (Decision::Failed, true),
-                    Ok(Resumed::Released) => (Decision::Released, true),
-                    Ok(Resumed::Stopped(PerformError::Parked { .. })) => (Decision::Parked, true),
-                    Ok(Resumed::Stopped(PerformError::LeaseLost)) => (Decision::Unknown, false),
-                    Ok(Resumed::Stopped(error)) => {
-                        tracing::info!(%key, %error, "durable operation still pending");
-                        (Decision::Unknown, true)
-                    }
-                    Err(_unused) => unreachable!("the operation is registered"),
-                };
-                report.note(decision, done);
-                tracing::debug!(%key, ?decision, done, "durable operation resumed");
-                return Ok(());
+                return Self::resume(engine, operations, key, token, report).await;
             }
         }
         let (decision, done) = match record.effects {
@@ -382,58 +362,99 @@ impl<S: Maintenance, R: Resolver> Recovery<S, R> {
                 let done = self.store.release(key, token).await?;
                 (Decision::Released, done)
             }
-            Effects::External => match &self.resolver {
-                None => {
-                    let done = self
-                        .store
-                        .park(
-                            key,
-                            token,
-                            "abandoned external operation; no resolver configured",
-                        )
-                        .await?;
-                    (Decision::Parked, done)
-                }
-                Some(resolver) => match self.ask(resolver, record).await {
-                    ProviderAnswer::Completed(result) => {
-                        let done = self
-                            .store
-                            .complete_recovered(
-                                key,
-                                token,
-                                &result,
-                                "recovered: the provider reported it completed",
-                                self.retention,
-                            )
-                            .await?;
-                        (Decision::Completed, done)
-                    }
-                    ProviderAnswer::Failed => {
-                        let done = self.store.release(key, token).await?;
-                        (Decision::Failed, done)
-                    }
-                    ProviderAnswer::Unknown => {
-                        let attempts = record.recovery_attempts.saturating_add(1);
-                        if attempts >= self.max_attempts {
-                            let reason = format!(
-                                "abandoned external operation; the provider's answer was unknown {attempts} times"
-                            );
-                            let done = self.store.park(key, token, &reason).await?;
-                            (Decision::Parked, done)
-                        } else {
-                            let done = self
-                                .store
-                                .note_unknown(key, token, self.retry_after)
-                                .await?;
-                            (Decision::Unknown, done)
-                        }
-                    }
-                },
-            },
+            Effects::External => self.settle_external(record, token).await?,
         };
         report.note(decision, done);
         tracing::debug!(%key, effects = %record.effects, ?decision, done, "idempotency key recovered");
         Ok(())
+    }
+
+    /// A claimed key of a registered durable operation: continued from its recovery point by
+    /// the operation's own function.
+    async fn resume(
+        engine: &Idempotency<S>,
+        operations: &Operations<S>,
+        key: &IdempotencyKey,
+        token: LeaseToken,
+        report: &mut RecoveryReport,
+    ) -> Result<(), StoreError> {
+        // Resume from the row as of the claim (see `Idempotency::claimed_row`).
+        let Some(claimed) = engine.claimed_row(key, token).await? else {
+            report.note(Decision::Unknown, false);
+            return Ok(());
+        };
+        let lease = engine.claimed_lease(&claimed, token);
+        let (decision, done) = match operations.resume(engine, lease, &claimed).await {
+            Ok(Resumed::Settled(Settlement::Completed)) => (Decision::Completed, true),
+            Ok(Resumed::Settled(_)) => (Decision::Failed, true),
+            Ok(Resumed::Released) => (Decision::Released, true),
+            Ok(Resumed::Stopped(PerformError::Parked { .. })) => (Decision::Parked, true),
+            Ok(Resumed::Stopped(PerformError::LeaseLost)) => (Decision::Unknown, false),
+            Ok(Resumed::Stopped(error)) => {
+                tracing::info!(%key, %error, "durable operation still pending");
+                (Decision::Unknown, true)
+            }
+            Err(_unused) => unreachable!("the operation is registered"),
+        };
+        report.note(decision, done);
+        tracing::debug!(%key, ?decision, done, "durable operation resumed");
+        Ok(())
+    }
+
+    /// A claimed external operation that is not resumed here: the resolver's answer decides
+    /// (parked without a resolver, or once "unknown" came back `max_attempts` times).
+    async fn settle_external(
+        &self,
+        record: &KeyRecord,
+        token: LeaseToken,
+    ) -> Result<(Decision, bool), StoreError> {
+        let key = &record.key;
+        let Some(resolver) = &self.resolver else {
+            let done = self
+                .store
+                .park(
+                    key,
+                    token,
+                    "abandoned external operation; no resolver configured",
+                )
+                .await?;
+            return Ok((Decision::Parked, done));
+        };
+        Ok(match self.ask(resolver, record).await {
+            ProviderAnswer::Completed(result) => {
+                let done = self
+                    .store
+                    .complete_recovered(
+                        key,
+                        token,
+                        &result,
+                        "recovered: the provider reported it completed",
+                        self.retention,
+                    )
+                    .await?;
+                (Decision::Completed, done)
+            }
+            ProviderAnswer::Failed => {
+                let done = self.store.release(key, token).await?;
+                (Decision::Failed, done)
+            }
+            ProviderAnswer::Unknown => {
+                let attempts = record.recovery_attempts.saturating_add(1);
+                if attempts >= self.max_attempts {
+                    let reason = format!(
+                        "abandoned external operation; the provider's answer was unknown {attempts} times"
+                    );
+                    let done = self.store.park(key, token, &reason).await?;
+                    (Decision::Parked, done)
+                } else {
+                    let done = self
+                        .store
+                        .note_unknown(key, token, self.retry_after)
+                        .await?;
+                    (Decision::Unknown, done)
+                }
+            }
+        })
     }
 
     /// Asks the resolver, bounded by the resolver timeout; a panic or a timeout is "unknown".

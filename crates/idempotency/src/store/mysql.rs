@@ -13,16 +13,15 @@
 //! Keys are stored as `VARBINARY`, compared byte for byte; times are `DATETIME(6)` in UTC, always
 //! from the server's `UTC_TIMESTAMP(6)`, never from the application's clock.
 
+use super::row::{uuid, KeyRow};
 use super::{millis, Insertion, KeyRecord, LeaseToken, PendingRow, Store};
 use crate::{error::StoreError, Fingerprint, IdempotencyKey};
-use chrono::{DateTime, Utc};
 use sqlx::{
     mysql::{MySqlDatabaseError, MySqlRow},
     pool::PoolConnection,
     Connection, MySql, MySqlPool, Row, Transaction,
 };
 use std::time::Duration;
-use uuid::Uuid;
 
 /// The key table's migrations, applied in order by [`Store::migrate`].
 pub const MIGRATIONS: &[(i64, &str, &str)] = &[
@@ -191,38 +190,28 @@ fn optional_text(row: &MySqlRow, column: &str) -> Result<Option<String>, StoreEr
 }
 
 fn record(row: &MySqlRow) -> Result<KeyRecord, StoreError> {
-    let key = IdempotencyKey::new(
-        text(row, "scope")?,
-        text(row, "operation")?,
-        text(row, "idem_key")?,
-    )
-    .map_err(|e| StoreError::Corrupt(e.to_string()))?;
-    let fingerprint: Vec<u8> = row.try_get("fingerprint")?;
-    let token: Vec<u8> = row.try_get("lease_token")?;
-    Ok(KeyRecord {
-        key,
-        state: text(row, "state")?.parse()?,
-        effects: text(row, "effects")?.parse()?,
-        fingerprint: Fingerprint::try_from(fingerprint.as_slice())
-            .map_err(|_| StoreError::Corrupt("fingerprint is not 32 bytes".into()))?,
-        lease_token: LeaseToken(
-            Uuid::from_slice(&token).map_err(|e| StoreError::Corrupt(e.to_string()))?,
-        ),
-        lease_remaining: Duration::from_millis(
-            row.try_get::<i64, _>("lease_remaining_ms")?.max(0) as u64
-        ),
+    KeyRow {
+        scope: text(row, "scope")?,
+        operation: text(row, "operation")?,
+        idem_key: text(row, "idem_key")?,
+        state: text(row, "state")?,
+        effects: text(row, "effects")?,
+        fingerprint: row.try_get("fingerprint")?,
+        lease_token: uuid(&row.try_get::<Vec<u8>, _>("lease_token")?)?,
+        lease_remaining_ms: row.try_get("lease_remaining_ms")?,
         expired: row.try_get::<i64, _>("expired")? != 0,
         result: row.try_get("result")?,
         reason: optional_text(row, "reason")?,
-        recovery_attempts: row.try_get::<i32, _>("recovery_attempts")?.max(0) as u32,
-        created_at: row.try_get::<DateTime<Utc>, _>("created_at")?,
+        recovery_attempts: row.try_get::<i32, _>("recovery_attempts")?.into(),
+        created_at: row.try_get("created_at")?,
         updated_at: row.try_get("updated_at")?,
         lease_until: row.try_get("lease_until")?,
         expires_at: row.try_get("expires_at")?,
         recovery_point: optional_text(row, "recovery_point")?,
         request: row.try_get("request")?,
         progress: row.try_get("progress")?,
-    })
+    }
+    .into_record()
 }
 
 /// Applies the migrations not yet recorded, on one connection holding the migration lock.
@@ -851,10 +840,11 @@ mod tests {
             Insertion::Inserted
         );
         let row = store.find(&key).await.unwrap().unwrap();
-        let server_utc: DateTime<Utc> = sqlx::query_scalar("SELECT UTC_TIMESTAMP(6)")
-            .fetch_one(store.pool())
-            .await
-            .unwrap();
+        let server_utc: chrono::DateTime<chrono::Utc> =
+            sqlx::query_scalar("SELECT UTC_TIMESTAMP(6)")
+                .fetch_one(store.pool())
+                .await
+                .unwrap();
         assert!(
             (server_utc - row.created_at).num_seconds().abs() < 5,
             "{row:?}"

@@ -5,9 +5,9 @@
 //! autocommit; under REPEATABLE READ or SERIALIZABLE server defaults a losing insert may fail with
 //! SQLSTATE 40001 instead of returning nothing, which is taken as "conflict, read the row".
 
+use super::row::KeyRow;
 use super::{millis, Effects, Insertion, KeyRecord, LeaseToken, PendingRow, Store};
 use crate::{error::StoreError, Fingerprint, IdempotencyKey};
-use chrono::{DateTime, Utc};
 use sqlx::{postgres::PgRow, PgPool, Postgres, Row, Transaction};
 use std::{collections::HashMap, sync::Arc, time::Duration};
 use tokio::sync::{oneshot, Notify};
@@ -136,35 +136,28 @@ pub(crate) fn lost_race(error: &sqlx::Error) -> bool {
 }
 
 fn record(row: &PgRow) -> Result<KeyRecord, StoreError> {
-    let key = IdempotencyKey::new(
-        row.try_get::<String, _>("scope")?,
-        row.try_get::<String, _>("operation")?,
-        row.try_get::<String, _>("idem_key")?,
-    )
-    .map_err(|e| StoreError::Corrupt(e.to_string()))?;
-    let fingerprint: Vec<u8> = row.try_get("fingerprint")?;
-    Ok(KeyRecord {
-        key,
-        state: row.try_get::<String, _>("state")?.parse()?,
-        effects: row.try_get::<String, _>("effects")?.parse()?,
-        fingerprint: Fingerprint::try_from(fingerprint.as_slice())
-            .map_err(|_| StoreError::Corrupt("fingerprint is not 32 bytes".into()))?,
-        lease_token: LeaseToken(row.try_get("lease_token")?),
-        lease_remaining: Duration::from_millis(
-            row.try_get::<i64, _>("lease_remaining_ms")?.max(0) as u64
-        ),
+    KeyRow {
+        scope: row.try_get("scope")?,
+        operation: row.try_get("operation")?,
+        idem_key: row.try_get("idem_key")?,
+        state: row.try_get("state")?,
+        effects: row.try_get("effects")?,
+        fingerprint: row.try_get("fingerprint")?,
+        lease_token: row.try_get("lease_token")?,
+        lease_remaining_ms: row.try_get("lease_remaining_ms")?,
         expired: row.try_get("expired")?,
         result: row.try_get("result")?,
         reason: row.try_get("reason")?,
-        recovery_attempts: row.try_get::<i32, _>("recovery_attempts")?.max(0) as u32,
-        created_at: row.try_get::<DateTime<Utc>, _>("created_at")?,
+        recovery_attempts: row.try_get::<i32, _>("recovery_attempts")?.into(),
+        created_at: row.try_get("created_at")?,
         updated_at: row.try_get("updated_at")?,
         lease_until: row.try_get("lease_until")?,
         expires_at: row.try_get("expires_at")?,
         recovery_point: row.try_get("recovery_point")?,
         request: row.try_get("request")?,
         progress: row.try_get("progress")?,
-    })
+    }
+    .into_record()
 }
 
 impl Store for PgStore {

@@ -18,6 +18,7 @@
 //! `synchronous_commit = off` for journaled reservations: a lost reservation leaves nothing
 //! behind, because the work it guarded committed after it (the WAL is ordered).
 
+use super::row::{uuid, KeyRow};
 use super::{millis, Insertion, KeyRecord, LeaseToken, PendingRow, Store};
 use crate::{error::StoreError, Fingerprint, IdempotencyKey};
 use chrono::{DateTime, Utc};
@@ -28,7 +29,6 @@ use sqlx::{
     Row, Sqlite, SqlitePool, Transaction, TransactionManager,
 };
 use std::{str::FromStr, time::Duration};
-use uuid::Uuid;
 
 /// The key table's migrations, applied in order by [`Store::migrate`].
 pub const MIGRATIONS: &[(i64, &str, &str)] = &[
@@ -146,30 +146,19 @@ fn time(row: &SqliteRow, column: &str) -> Result<DateTime<Utc>, StoreError> {
 }
 
 fn record(row: &SqliteRow) -> Result<KeyRecord, StoreError> {
-    let key = IdempotencyKey::new(
-        row.try_get::<String, _>("scope")?,
-        row.try_get::<String, _>("operation")?,
-        row.try_get::<String, _>("idem_key")?,
-    )
-    .map_err(|e| StoreError::Corrupt(e.to_string()))?;
-    let fingerprint: Vec<u8> = row.try_get("fingerprint")?;
-    let token: Vec<u8> = row.try_get("lease_token")?;
-    Ok(KeyRecord {
-        key,
-        state: row.try_get::<String, _>("state")?.parse()?,
-        effects: row.try_get::<String, _>("effects")?.parse()?,
-        fingerprint: Fingerprint::try_from(fingerprint.as_slice())
-            .map_err(|_| StoreError::Corrupt("fingerprint is not 32 bytes".into()))?,
-        lease_token: LeaseToken(
-            Uuid::from_slice(&token).map_err(|e| StoreError::Corrupt(e.to_string()))?,
-        ),
-        lease_remaining: Duration::from_millis(
-            row.try_get::<i64, _>("lease_remaining_ms")?.max(0) as u64
-        ),
+    KeyRow {
+        scope: row.try_get("scope")?,
+        operation: row.try_get("operation")?,
+        idem_key: row.try_get("idem_key")?,
+        state: row.try_get("state")?,
+        effects: row.try_get("effects")?,
+        fingerprint: row.try_get("fingerprint")?,
+        lease_token: uuid(&row.try_get::<Vec<u8>, _>("lease_token")?)?,
+        lease_remaining_ms: row.try_get("lease_remaining_ms")?,
         expired: row.try_get("expired")?,
         result: row.try_get("result")?,
         reason: row.try_get("reason")?,
-        recovery_attempts: row.try_get::<i64, _>("recovery_attempts")?.max(0) as u32,
+        recovery_attempts: row.try_get("recovery_attempts")?,
         created_at: time(row, "created_at")?,
         updated_at: time(row, "updated_at")?,
         lease_until: time(row, "lease_until")?,
@@ -177,7 +166,8 @@ fn record(row: &SqliteRow) -> Result<KeyRecord, StoreError> {
         recovery_point: row.try_get("recovery_point")?,
         request: row.try_get("request")?,
         progress: row.try_get("progress")?,
-    })
+    }
+    .into_record()
 }
 
 impl Store for SqliteStore {
