@@ -821,7 +821,7 @@ where
         Err(error) if error.is::<LengthLimitError>() => {
             Err(IdempotencyRejection::BodyTooLarge { limit })
         }
-        Err(error) => Err(IdempotencyRejection::BodyUnreadable(error.into())),
+        Err(error) => Err(IdempotencyRejection::BodyUnreadable(error)),
     }
 }
 
