@@ -388,7 +388,18 @@ pub async fn consumer_kill9(env: &Env, plan: Plan, rabbitmq_ctl: &[String]) -> R
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
-    let letters = dead_letters(&amqp_url).await?;
+    // A key is parked before its message is dead-lettered and acknowledged: the last letters
+    // may still be on their way once the database has settled. Collect them until every parked
+    // key has its letter, or the settle limit ends (the check below then names the missing one).
+    let mut letters = Vec::new();
+    loop {
+        letters.extend(dead_letters(&amqp_url).await?);
+        let lettered: HashSet<&String> = letters.iter().map(|(id, _)| id).collect();
+        if settled.parked.iter().all(|id| lettered.contains(id)) || Instant::now() > deadline {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
     worker.kill9().await?;
     shop.kill9().await?;
     pool.close().await;

@@ -1,4 +1,4 @@
-//! The core consumer API alone (`idempotency::consumer`), on a stand-in for any broker: the same
+//! The core consumer API alone (`idempotency::Consumer`), on a stand-in for any broker: the same
 //! four answers map onto SQS, Kafka, NATS JetStream or a database queue (see `docs/queues.md`).
 //!
 //! The in-memory broker below delivers at least once: a publisher retries (every order is
@@ -10,11 +10,7 @@
 //! cargo run -p idempotency-amqp --example any_broker
 //! ```
 
-use idempotency::{
-    consumer::{Consumer, Decision, Message},
-    store::{sqlite::SqliteStore, Store},
-    Idempotency,
-};
+use idempotency::{Consumer, Decision, Idempotency, Message, SqliteStore, Store};
 use serde::{Deserialize, Serialize};
 use std::{
     collections::VecDeque,

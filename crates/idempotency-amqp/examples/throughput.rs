@@ -22,10 +22,7 @@
 //! `--no-replay-first` (the engine skips its replay read before the reservation).
 
 use futures_util::{future::BoxFuture, StreamExt};
-use idempotency::{
-    store::{postgres::PgStore, sqlite::SqliteStore, Store},
-    Consumer, Idempotency,
-};
+use idempotency::{Consumer, Idempotency, PgStore, SqliteStore, Store};
 use idempotency_amqp::{AmqpConsumer, Incoming, Topology};
 use lapin::{
     options::{

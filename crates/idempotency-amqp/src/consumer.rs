@@ -8,7 +8,7 @@ use crate::{
     topology::{text, Topology},
 };
 use futures_util::{FutureExt, StreamExt};
-use idempotency::{consumer::DeadLetter, Consumer, Decision, Store};
+use idempotency::{Consumer, DeadLetter, Decision, Store};
 use lapin::{
     message::Delivery,
     options::{
@@ -45,7 +45,7 @@ const DRAIN_WAIT: Duration = Duration::from_secs(5);
 /// delivery as [`DeadLetter::Definitive`]: a panic before the work is a bug no redelivery fixes.
 ///
 /// ```
-/// use idempotency::{consumer::DeadLetter, store::sqlite::SqliteStore, Decision};
+/// use idempotency::{DeadLetter, SqliteStore, Decision};
 /// use idempotency_amqp::Incoming;
 ///
 /// #[derive(serde::Deserialize)]

@@ -2,10 +2,7 @@
 //! the [`Consumer`] that runs its work once.
 
 use futures_util::future::BoxFuture;
-use idempotency::{
-    consumer::{FailureKind, InvalidMessage},
-    Consumer, Decision, Message, Operation, Store,
-};
+use idempotency::{Consumer, Decision, FailureKind, InvalidMessage, Message, Operation, Store};
 use lapin::BasicProperties;
 use serde::{de::DeserializeOwned, Serialize};
 use std::fmt;

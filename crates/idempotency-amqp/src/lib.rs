@@ -21,7 +21,7 @@
 //! running. [`Topology`] declares the queue with its dead-letter exchange and queue.
 //!
 //! ```no_run
-//! use idempotency::{store::{sqlite::SqliteStore, Store}, Consumer, Decision, Idempotency};
+//! use idempotency::{SqliteStore, Store, Consumer, Decision, Idempotency};
 //! use idempotency_amqp::{AmqpConsumer, Incoming, Topology};
 //! use lapin::{Connection, ConnectionProperties};
 //!
@@ -72,7 +72,7 @@ pub use topology::Topology;
 /// The headers of a dead letter published to a dead-letter exchange.
 pub mod headers {
     /// A stable name for why it was dead-lettered:
-    /// [`DeadLetter::code`](idempotency::consumer::DeadLetter::code) (`payload-mismatch`,
+    /// [`DeadLetter::code`](idempotency::DeadLetter::code) (`payload-mismatch`,
     /// `poison`, `definitive`, `needs-review`, `invalid`).
     pub const CODE: &str = "x-dead-letter-code";
     /// Why, for a human (the last error of a poison message, for example).

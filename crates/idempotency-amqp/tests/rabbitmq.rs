@@ -8,10 +8,7 @@ mod common;
 use common::{
     broker, delete, json_properties, publish, publisher, ready, unique, wait_until, Backend, WAIT,
 };
-use idempotency::{
-    store::{postgres::PgStore, sqlite::SqliteStore},
-    Consumer, Decision, Idempotency,
-};
+use idempotency::{Consumer, Decision, Idempotency, PgStore, SqliteStore};
 use idempotency_amqp::{headers, AmqpConsumer, Incoming, Topology};
 use lapin::{
     options::BasicGetOptions,

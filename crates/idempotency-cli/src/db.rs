@@ -1,7 +1,7 @@
 //! Which database a URL names, and a connected store for it.
 
 use anyhow::{Context, Result};
-use idempotency::store::{mysql::MySqlStore, postgres::PgStore, sqlite::SqliteStore};
+use idempotency::{MySqlStore, PgStore, SqliteStore};
 use sqlx::{
     mysql::MySqlPoolOptions,
     postgres::PgPoolOptions,

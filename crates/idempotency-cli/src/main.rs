@@ -20,10 +20,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, CommandFactory, Parser, Subcommand, ValueEnum};
 use db::{AnyStore, DatabaseUrl};
 use idempotency::{
-    recovery::{self, Recovery},
-    retention::Purge,
-    store::{KeyFilter, KeyState, Maintenance, Resolution},
-    IdempotencyKey,
+    IdempotencyKey, KeyFilter, KeyState, Maintenance, Purge, Recovery, RecoveryReport, Resolution,
 };
 use indicatif::{ProgressBar, ProgressStyle};
 use std::{io::IsTerminal, path::PathBuf, process::ExitCode, time::Duration};
@@ -360,7 +357,8 @@ async fn resolve<S: Maintenance>(store: &S, args: ResolveArgs) -> Result<()> {
         Some(path) => Resolution::Completed(read_result(path)?),
         None => Resolution::Failed,
     };
-    let record = recovery::resolve(store, &key, &resolution, &args.reason, args.retention).await?;
+    let record =
+        idempotency::resolve(store, &key, &resolution, &args.reason, args.retention).await?;
     if args.json.json {
         println!("{:#}", render::record_json(&record));
     } else {
@@ -373,7 +371,7 @@ async fn recover<S: Maintenance>(store: &S, args: RecoverArgs) -> Result<()> {
     let recovery = Recovery::new(store.clone())
         .with_max_attempts(args.max_attempts)
         .with_batch(args.batch);
-    let print = |report: &recovery::RecoveryReport| {
+    let print = |report: &RecoveryReport| {
         if args.json.json {
             println!("{}", render::recovery_json(report));
         } else {

@@ -1,11 +1,7 @@
 //! Human tables and JSON for scripts.
 
 use comfy_table::{presets::UTF8_FULL_CONDENSED, Cell, ContentArrangement, Table};
-use idempotency::{
-    recovery::RecoveryReport,
-    retention::PurgeReport,
-    store::{KeyRecord, KeyStats},
-};
+use idempotency::{KeyRecord, KeyStats, PurgeReport, RecoveryReport};
 use serde_json::{json, Value};
 use std::time::Duration;
 

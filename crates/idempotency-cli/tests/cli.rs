@@ -3,8 +3,8 @@
 
 use assert_cmd::Command;
 use idempotency::{
-    store::{mysql::MySqlStore, postgres::PgStore, sqlite::SqliteStore, Store},
-    Attempt, Effects, Fingerprint, Idempotency, IdempotencyKey, Reservation,
+    Attempt, Effects, Fingerprint, Idempotency, IdempotencyKey, MySqlStore, PgStore, Reservation,
+    SqliteStore, Store,
 };
 use predicates::prelude::*;
 use serde_json::{json, Value};

@@ -11,10 +11,7 @@
 //! the 422 key-reused as a typed error.
 
 use axum::{http::StatusCode, response::IntoResponse, routing::post, Json, Router};
-use idempotency::{
-    store::{sqlite::SqliteStore, Store},
-    Idempotency,
-};
+use idempotency::{Idempotency, SqliteStore, Store};
 use idempotency_client::{
     IdempotencyError, IdempotencyMiddleware, Outcome, RequestKey, RetryPolicy,
 };

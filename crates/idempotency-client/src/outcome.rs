@@ -87,6 +87,7 @@ impl TransportKind {
 
 /// One attempt of an operation.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct AttemptRecord {
     /// 1 for the first request, 2 for the first retry …
     pub number: u32,
@@ -150,6 +151,7 @@ impl StopReason {
 /// assert!(!outcome.replayed);
 /// ```
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Outcome {
     /// The `Idempotency-Key` sent with every attempt (`None` for an unkeyed request).
     pub key: Option<String>,

@@ -3,10 +3,7 @@
 //! 422 key-reused.
 
 use axum::{http::StatusCode, response::IntoResponse, routing::post, Json, Router};
-use idempotency::{
-    store::{postgres::PgStore, sqlite::SqliteStore, Store},
-    Idempotency,
-};
+use idempotency::{Idempotency, PgStore, SqliteStore, Store};
 use idempotency_client::{
     IdempotencyError, IdempotencyMiddleware, Outcome, RequestKey, RetryPolicy,
 };
@@ -333,10 +330,7 @@ async fn key_reused_with_the_real_layer() {
 /// PostgreSQL's `notify_settled` reaches a `LISTEN`er with the key's payload.
 #[tokio::test]
 async fn postgres_notify_settled_reaches_a_listener() {
-    use idempotency::{
-        store::postgres::{completion_payload, COMPLETION_CHANNEL},
-        IdempotencyKey,
-    };
+    use idempotency::{completion_payload, IdempotencyKey, COMPLETION_CHANNEL};
     let Some(url) = test_support::fresh_postgres_url().await else {
         eprintln!("SKIPPED: TEST_POSTGRES_URL is not set");
         return;

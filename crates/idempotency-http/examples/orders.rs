@@ -9,10 +9,7 @@
 //! key (400), prints what came back, and exits.
 
 use axum::{http::StatusCode, response::IntoResponse, routing::post, Json, Router};
-use idempotency::{
-    store::{sqlite::SqliteStore, Store},
-    Idempotency,
-};
+use idempotency::{Idempotency, SqliteStore, Store};
 use idempotency_http::{IdempotencyLayer, IdempotentTx};
 use sqlx::Sqlite;
 

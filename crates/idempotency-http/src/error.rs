@@ -223,7 +223,7 @@ impl IdempotencyRejection {
     /// assert_eq!(response.headers()["retry-after-ms"], "40");
     /// ```
     pub fn to_response(&self) -> http::Response<axum::body::Body> {
-        self.to_response_under(crate::problem::DEFAULT_BASE)
+        self.to_response_under(crate::DEFAULT_PROBLEM_BASE)
     }
 
     /// [`to_response`](Self::to_response) with the problem `type` under another base URI (see
@@ -236,8 +236,8 @@ impl IdempotencyRejection {
     /// ```
     pub fn to_response_under(&self, base: &str) -> http::Response<axum::body::Body> {
         let mut problem = self.to_problem();
-        if base != crate::problem::DEFAULT_BASE {
-            if let Some(slug) = problem.type_uri.strip_prefix(crate::problem::DEFAULT_BASE) {
+        if base != crate::DEFAULT_PROBLEM_BASE {
+            if let Some(slug) = problem.type_uri.strip_prefix(crate::DEFAULT_PROBLEM_BASE) {
                 problem.type_uri = format!("{base}{slug}");
             }
         }

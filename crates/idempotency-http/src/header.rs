@@ -8,7 +8,7 @@
 //! Either way the key must be 1..=255 characters of printable ASCII.
 
 use http::{HeaderMap, HeaderName, HeaderValue};
-use idempotency::key::MAX_PART_LEN;
+use idempotency::MAX_PART_LEN;
 
 /// `Idempotency-Key`, the request header read by the layer.
 ///

@@ -41,9 +41,7 @@
 //! is the engine's hint. A double click on a 5 ms transfer is thus told to come back in about 5–10 ms,
 //! not in a second.
 
-use idempotency::{
-    store::Awaited, Attempt, Error, Idempotency, IdempotencyKey, Reservation, Store,
-};
+use idempotency::{Attempt, Awaited, Error, Idempotency, IdempotencyKey, Reservation, Store};
 use std::{
     collections::HashMap,
     sync::{Arc, Mutex},
@@ -92,7 +90,7 @@ pub(crate) async fn reserve<S: Store>(
     }
     let deadline = Instant::now() + bound;
     let mut reserved = reserved;
-    let local = waiters.subscribe(&attempt.key);
+    let local = waiters.subscribe(attempt.key());
     loop {
         if !matches!(reserved, Err(Error::InProgress { .. })) {
             return reserved;
@@ -110,7 +108,7 @@ pub(crate) async fn reserve<S: Store>(
         woken.as_mut().enable();
         let waited = tokio::time::timeout(left, async {
             tokio::select! {
-                awaited = store.wait_for_completion(&attempt.key, &attempt.fingerprint, left) => awaited,
+                awaited = store.wait_for_completion(attempt.key(), attempt.fingerprint(), left) => awaited,
                 _ = woken => Ok(Awaited::Settled),
             }
         })

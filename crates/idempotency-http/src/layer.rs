@@ -91,7 +91,7 @@ pub(crate) struct Settings<S> {
     pub(crate) retention_header: bool,
     /// The header marking a replayed response (default `Idempotent-Replayed`).
     pub(crate) replay_header: HeaderName,
-    /// The base of the problem `type` URIs (default [`crate::problem::DEFAULT_BASE`]).
+    /// The base of the problem `type` URIs (default [`crate::DEFAULT_PROBLEM_BASE`]).
     pub(crate) problem_base: Arc<str>,
     pub(crate) detach: bool,
     pub(crate) wait_for_in_flight: Option<Duration>,
@@ -144,7 +144,7 @@ impl<S: Clone> Clone for Settings<S> {
 /// ```no_run
 /// use axum::{routing::post, Router};
 /// use http::{HeaderName, Method};
-/// use idempotency::{store::postgres::PgStore, Effects, Idempotency};
+/// use idempotency::{PgStore, Effects, Idempotency};
 /// use idempotency_http::{IdempotencyLayer, KeyRequirement, MissingScope};
 /// use std::time::Duration;
 ///
@@ -201,7 +201,7 @@ impl<S: Store> IdempotencyLayer<S> {
     ///
     /// ```no_run
     /// # async fn demo() -> Result<(), idempotency::StoreError> {
-    /// use idempotency::{store::{sqlite::SqliteStore, Store}, Idempotency};
+    /// use idempotency::{SqliteStore, Store, Idempotency};
     /// let store = SqliteStore::connect("sqlite://shop.db?mode=rwc").await?;
     /// store.migrate().await?;
     /// let layer = idempotency_http::IdempotencyLayer::new(Idempotency::new(store));
@@ -230,7 +230,7 @@ impl<S: Store> IdempotencyLayer<S> {
                 after_unstored: None,
                 retention_header: false,
                 replay_header: crate::header::IDEMPOTENT_REPLAYED,
-                problem_base: Arc::from(crate::problem::DEFAULT_BASE),
+                problem_base: Arc::from(crate::DEFAULT_PROBLEM_BASE),
                 detach: false,
                 wait_for_in_flight: None,
                 estimates: Arc::default(),
@@ -242,7 +242,7 @@ impl<S: Store> IdempotencyLayer<S> {
     /// The methods the layer protects (default POST and PATCH); others pass through untouched.
     ///
     /// ```no_run
-    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::store::sqlite::SqliteStore>) {
+    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::SqliteStore>) {
     /// let layer = layer.with_methods([http::Method::POST, http::Method::PATCH, http::Method::DELETE]);
     /// # }
     /// ```
@@ -254,7 +254,7 @@ impl<S: Store> IdempotencyLayer<S> {
     /// Whether the key is required (missing → 400) or optional (missing → run unprotected).
     ///
     /// ```no_run
-    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::store::sqlite::SqliteStore>) {
+    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::SqliteStore>) {
     /// let layer = layer.with_key_requirement(idempotency_http::KeyRequirement::Optional);
     /// # }
     /// ```
@@ -268,7 +268,7 @@ impl<S: Store> IdempotencyLayer<S> {
     /// the [`IdempotencyScope`] extension.
     ///
     /// ```no_run
-    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::store::sqlite::SqliteStore>) {
+    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::SqliteStore>) {
     /// #[derive(Clone)]
     /// struct User { id: u64 }
     /// let layer = layer.with_scope_from(|parts| parts.extensions.get::<User>().map(|u| format!("user-{}", u.id)));
@@ -285,7 +285,7 @@ impl<S: Store> IdempotencyLayer<S> {
     /// What to do when there is no scope (default: reject with 401).
     ///
     /// ```no_run
-    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::store::sqlite::SqliteStore>) {
+    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::SqliteStore>) {
     /// let layer = layer.with_missing_scope(idempotency_http::MissingScope::Fixed("public".into()));
     /// # }
     /// ```
@@ -297,7 +297,7 @@ impl<S: Store> IdempotencyLayer<S> {
     /// A fixed operation name for the route, instead of `METHOD /route/{template}`.
     ///
     /// ```no_run
-    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::store::sqlite::SqliteStore>) {
+    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::SqliteStore>) {
     /// let layer = layer.with_operation("purchase");
     /// # }
     /// ```
@@ -309,7 +309,7 @@ impl<S: Store> IdempotencyLayer<S> {
     /// The operation name as a function of the request head.
     ///
     /// ```no_run
-    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::store::sqlite::SqliteStore>) {
+    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::SqliteStore>) {
     /// let layer = layer.operation_from(|parts| format!("{} v2", parts.method));
     /// # }
     /// ```
@@ -326,7 +326,7 @@ impl<S: Store> IdempotencyLayer<S> {
     /// decides), and retries get 409 until then.
     ///
     /// ```no_run
-    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::store::sqlite::SqliteStore>) {
+    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::SqliteStore>) {
     /// let layer = layer.with_effects(idempotency::Effects::External);
     /// # }
     /// ```
@@ -343,7 +343,7 @@ impl<S: Store> IdempotencyLayer<S> {
     /// releases the key even with [`Effects::External`]: nothing can have gone out.
     ///
     /// ```no_run
-    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::store::postgres::PgStore>) {
+    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::PgStore>) {
     /// let layer = layer.with_effects(idempotency::Effects::External).with_journaled(true);
     /// # }
     /// ```
@@ -356,7 +356,7 @@ impl<S: Store> IdempotencyLayer<S> {
     /// with another value is a different request (422).
     ///
     /// ```no_run
-    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::store::sqlite::SqliteStore>) {
+    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::SqliteStore>) {
     /// let layer = layer.with_fingerprint_headers([http::HeaderName::from_static("x-currency")]);
     /// # }
     /// ```
@@ -372,7 +372,7 @@ impl<S: Store> IdempotencyLayer<S> {
     /// authentication headers are never stored ([`NEVER_STORED`](crate::stored::NEVER_STORED)).
     ///
     /// ```no_run
-    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::store::sqlite::SqliteStore>) {
+    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::SqliteStore>) {
     /// let layer = layer.with_stored_headers([http::HeaderName::from_static("x-order-id")]);
     /// # }
     /// ```
@@ -385,7 +385,7 @@ impl<S: Store> IdempotencyLayer<S> {
     /// anything is reserved.
     ///
     /// ```no_run
-    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::store::sqlite::SqliteStore>) {
+    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::SqliteStore>) {
     /// let layer = layer.with_body_limit(16 * 1024);
     /// # }
     /// ```
@@ -404,7 +404,7 @@ impl<S: Store> IdempotencyLayer<S> {
     /// response.
     ///
     /// ```no_run
-    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::store::sqlite::SqliteStore>) {
+    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::SqliteStore>) {
     /// // Only successes: every 4xx may be retried.
     /// let layer = layer.with_store_response_if(|status| status.is_success());
     /// # }
@@ -427,7 +427,7 @@ impl<S: Store> IdempotencyLayer<S> {
     /// `needs-review` until an operator resolves it with `idem keys resolve`).
     ///
     /// ```no_run
-    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::store::sqlite::SqliteStore>) {
+    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::SqliteStore>) {
     /// use idempotency::AfterError;
     /// let layer = layer.with_after_unstored_response(|status| match status.as_u16() {
     ///     502 | 504 => AfterError::Park(format!("payment provider answered {status}")),
@@ -447,7 +447,7 @@ impl<S: Store> IdempotencyLayer<S> {
     /// telling clients how long after completion the key is remembered (default off).
     ///
     /// ```no_run
-    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::store::sqlite::SqliteStore>) {
+    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::SqliteStore>) {
     /// let layer = layer.with_retention_header(true);
     /// # }
     /// ```
@@ -462,7 +462,7 @@ impl<S: Store> IdempotencyLayer<S> {
     /// another, such as `Idempotency-Replayed`).
     ///
     /// ```no_run
-    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::store::sqlite::SqliteStore>) {
+    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::SqliteStore>) {
     /// let layer = layer.with_replay_header(http::HeaderName::from_static("idempotency-replayed"));
     /// # }
     /// ```
@@ -472,11 +472,11 @@ impl<S: Store> IdempotencyLayer<S> {
     }
 
     /// Puts the `type` URIs of the layer's problems under `base` instead of
-    /// [`DEFAULT_BASE`](crate::problem::DEFAULT_BASE): `{base}key-reused`, `{base}in-progress` …
+    /// [`DEFAULT_PROBLEM_BASE`](crate::DEFAULT_PROBLEM_BASE): `{base}key-reused`, `{base}in-progress` …
     /// (end it with `/`). Clients match on the slug after the base.
     ///
     /// ```no_run
-    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::store::sqlite::SqliteStore>) {
+    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::SqliteStore>) {
     /// let layer = layer.with_problem_base("https://api.shop.example/problems/idempotency/");
     /// # }
     /// ```
@@ -497,7 +497,7 @@ impl<S: Store> IdempotencyLayer<S> {
     /// see [`Idempotency::reserve`].)
     ///
     /// ```no_run
-    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::store::sqlite::SqliteStore>) {
+    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::SqliteStore>) {
     /// let layer = layer.with_detach(true);
     /// # }
     /// ```
@@ -522,7 +522,7 @@ impl<S: Store> IdempotencyLayer<S> {
     /// [`in_flight`](crate::in_flight).
     ///
     /// ```no_run
-    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::store::sqlite::SqliteStore>) {
+    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::SqliteStore>) {
     /// let layer = layer.with_wait_for_in_flight(std::time::Duration::from_secs(2));
     /// # }
     /// ```
@@ -534,7 +534,7 @@ impl<S: Store> IdempotencyLayer<S> {
     /// The engine: store, lease and retention.
     ///
     /// ```no_run
-    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::store::sqlite::SqliteStore>) {
+    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::SqliteStore>) {
     /// let store = layer.idempotency().store(); // the pool, for the application's own queries
     /// let _ = store.pool();
     /// # }
@@ -546,7 +546,7 @@ impl<S: Store> IdempotencyLayer<S> {
     /// How long a handler may run before its key may be taken over (local effects).
     ///
     /// ```no_run
-    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::store::sqlite::SqliteStore>) {
+    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::SqliteStore>) {
     /// assert_eq!(layer.lease().as_secs(), 60); // the engine's default
     /// # }
     /// ```
@@ -557,7 +557,7 @@ impl<S: Store> IdempotencyLayer<S> {
     /// How long a completed key and its stored response are kept.
     ///
     /// ```no_run
-    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::store::sqlite::SqliteStore>) {
+    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::SqliteStore>) {
     /// assert_eq!(layer.retention().as_secs(), 24 * 3600); // the engine's default
     /// # }
     /// ```
@@ -568,7 +568,7 @@ impl<S: Store> IdempotencyLayer<S> {
     /// Replaces the lease length.
     ///
     /// ```no_run
-    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::store::sqlite::SqliteStore>) {
+    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::SqliteStore>) {
     /// let layer = layer.with_lease(std::time::Duration::from_secs(10));
     /// assert_eq!(layer.lease().as_secs(), 10);
     /// # }
@@ -581,7 +581,7 @@ impl<S: Store> IdempotencyLayer<S> {
     /// Replaces the retention.
     ///
     /// ```no_run
-    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::store::sqlite::SqliteStore>) {
+    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::SqliteStore>) {
     /// let layer = layer.with_retention(std::time::Duration::from_secs(3600));
     /// # }
     /// ```

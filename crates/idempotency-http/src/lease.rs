@@ -52,7 +52,7 @@ impl<S: Store> LeaseSlot<S> {
 ///
 /// ```no_run
 /// use axum::response::{IntoResponse, Response};
-/// use idempotency::{store::sqlite::SqliteStore, Idempotency, Operation};
+/// use idempotency::{SqliteStore, Idempotency, Operation};
 /// use idempotency_http::{KeyLease, StoredResponse};
 ///
 /// async fn purchase<O>(engine: Idempotency<SqliteStore>, operation: O, lease: KeyLease<SqliteStore>, request: O::Request) -> Response

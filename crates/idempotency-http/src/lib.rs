@@ -53,7 +53,7 @@
 //!    review* when an outside effect may have happened.
 //!
 //! A handler that drives a **durable operation** (outside calls between local steps, see
-//! [`idempotency::steps`] and `docs/external-calls.md`) takes the reservation with the
+//! [`idempotency::Steps`] and `docs/external-calls.md`) takes the reservation with the
 //! [`KeyLease`] extractor and settles the key itself
 //! ([`Idempotency::perform_reserved`](idempotency::Idempotency::perform_reserved)); the layer
 //! then stores and releases nothing after it. Configure such a route with
@@ -67,7 +67,7 @@
 //! it again. With [`IdempotencyLayer::with_detach`] the handler runs in a task of its own instead and
 //! finishes whatever the client does; its retry gets the stored response.
 //!
-//! Refusals are `application/problem+json` (RFC 9457, [`Problem`], [`problem::types`]).
+//! Refusals are `application/problem+json` (RFC 9457, [`Problem`], [`problem_types`]).
 //!
 //! # Handlers that do not take the transaction
 //!
@@ -101,8 +101,8 @@
 //! ```no_run
 //! use axum::{extract::Request, middleware::{self, Next}, response::{IntoResponse, Response}, routing::post, Json, Router};
 //! use http::StatusCode;
-//! use idempotency::{store::{postgres::PgStore, Store}, Idempotency};
-//! use idempotency_http::{problem::Problem, IdempotencyLayer, IdempotencyScope, IdempotentTx, KeyRequirement};
+//! use idempotency::{PgStore, Store, Idempotency};
+//! use idempotency_http::{Problem, IdempotencyLayer, IdempotencyScope, IdempotentTx, KeyRequirement};
 //! use sqlx::Postgres;
 //!
 //! #[derive(serde::Deserialize)]
@@ -167,7 +167,7 @@ pub mod in_flight;
 mod layer;
 mod lease;
 pub mod metrics;
-pub mod problem;
+mod problem;
 mod service;
 mod stored;
 mod tx;
@@ -178,7 +178,7 @@ pub use layer::{
     IdempotencyLayer, IdempotencyScope, KeyRequirement, MissingScope, DEFAULT_BODY_LIMIT,
 };
 pub use lease::{KeyLease, LeaseRejection};
-pub use problem::Problem;
+pub use problem::{types as problem_types, Problem, DEFAULT_PROBLEM_BASE, PROBLEM_JSON};
 pub use service::{IdempotencyService, ResponseFuture};
 pub use stored::{StoredResponse, ALWAYS_STORED, NEVER_STORED};
 pub use tx::{IdempotentTx, TxRejection};

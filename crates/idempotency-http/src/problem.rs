@@ -19,13 +19,13 @@ pub const PROBLEM_JSON: &str = "application/problem+json";
 /// served there. Put the types under a base you control, where you can document them for your
 /// clients, with [`IdempotencyLayer::with_problem_base`](crate::IdempotencyLayer::with_problem_base);
 /// the slugs stay the same.
-pub const DEFAULT_BASE: &str = "https://idempotency.dev/problems/";
+pub const DEFAULT_PROBLEM_BASE: &str = "https://idempotency.dev/problems/";
 
-/// The stable `type` URIs of the problems this crate answers with (under [`DEFAULT_BASE`]).
+/// The stable `type` URIs of the problems this crate answers with (under [`DEFAULT_PROBLEM_BASE`]).
 ///
 /// ```
-/// use idempotency_http::problem::types;
-/// assert_eq!(types::KEY_REUSED, "https://idempotency.dev/problems/key-reused");
+/// use idempotency_http::problem_types;
+/// assert_eq!(problem_types::KEY_REUSED, "https://idempotency.dev/problems/key-reused");
 /// ```
 pub mod types {
     /// 400: the route requires an `Idempotency-Key` header and the request has none.

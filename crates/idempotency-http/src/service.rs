@@ -44,7 +44,7 @@ use tracing::Instrument;
 /// ```
 /// use axum::body::Body;
 /// use http::{Request, Response};
-/// use idempotency::{store::{sqlite::SqliteStore, Store}, Idempotency};
+/// use idempotency::{SqliteStore, Store, Idempotency};
 /// use idempotency_http::{IdempotencyLayer, MissingScope};
 /// use std::sync::{atomic::{AtomicUsize, Ordering}, Arc};
 /// use tower::{Layer, ServiceExt};
@@ -249,7 +249,7 @@ where
         inner,
         parts,
         body,
-        attempt.key,
+        attempt.into_key(),
         reserved,
         operation,
     )
@@ -329,7 +329,16 @@ where
             &name,
         )
         .await;
-        proceed(settings, inner, parts, body, attempt.key, reserved, name).await
+        proceed(
+            settings,
+            inner,
+            parts,
+            body,
+            attempt.into_key(),
+            reserved,
+            name,
+        )
+        .await
     };
     match tokio::spawn(work.in_current_span()).await {
         Ok(answer) => answer,
@@ -777,7 +786,8 @@ impl<S: Store> Drop for HeldLease<'_, S> {
                     count(self.operation, metrics::RELEASED);
                     tracing::info!("request cancelled; releasing idempotency key");
                 }
-                Effects::External => {
+                // External, and anything a later version adds: the key is never released.
+                _ => {
                     count(self.operation, metrics::LEFT_PENDING);
                     tracing::warn!("request cancelled; the key stays pending for the recovery job");
                 }

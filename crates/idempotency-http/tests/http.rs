@@ -5,7 +5,7 @@ mod common;
 
 use common::{new_key, Answer, TestApp};
 use futures_util::future::join_all;
-use idempotency_http::problem::types;
+use idempotency_http::problem_types as types;
 use serde_json::json;
 use std::time::Duration;
 
@@ -541,7 +541,7 @@ async fn store_down_is_503_and_the_handler_is_not_run() {
         .acquire_timeout(Duration::from_millis(500))
         .connect_lazy(&format!("postgres://idem:idem@127.0.0.1:{port}/idem"))
         .unwrap();
-    let store = idempotency::store::postgres::PgStore::new(pool);
+    let store = idempotency::PgStore::new(pool);
     let runs = Arc::new(AtomicUsize::new(0));
     let counter = runs.clone();
     let router = axum::Router::new()
@@ -776,9 +776,7 @@ async fn external_work_that_panics_keeps_its_key_pending(app: &TestApp) {
 async fn the_replay_header_and_the_problem_base_can_be_configured() {
     let dir = tempfile::tempdir().unwrap();
     let url = format!("sqlite://{}?mode=rwc", dir.path().join("keys.db").display());
-    let store = idempotency::store::sqlite::SqliteStore::connect(&url)
-        .await
-        .unwrap();
+    let store = idempotency::SqliteStore::connect(&url).await.unwrap();
     idempotency::Store::migrate(&store).await.unwrap();
     let router = axum::Router::new()
         .route("/orders", axum::routing::post(|| async { "ran" }))

@@ -7,10 +7,7 @@
 //! cargo run -p idempotency --features sqlite --example borrowed_request
 //! ```
 
-use idempotency::{
-    store::{sqlite::SqliteStore, Store},
-    Attempt, Fingerprint, Idempotency, IdempotencyKey,
-};
+use idempotency::{Attempt, Fingerprint, Idempotency, IdempotencyKey, SqliteStore, Store};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// The request, owned by the caller.

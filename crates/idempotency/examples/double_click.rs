@@ -6,8 +6,7 @@
 //! ```
 
 use idempotency::{
-    store::{sqlite::SqliteStore, Store},
-    Attempt, Error, Fingerprint, Idempotency, IdempotencyKey, Outcome,
+    Attempt, Error, Fingerprint, Idempotency, IdempotencyKey, Outcome, SqliteStore, Store,
 };
 use std::time::Duration;
 

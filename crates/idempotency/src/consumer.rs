@@ -1,77 +1,4 @@
 //! Queue consumers: exactly-once **effects** on at-least-once **delivery**, for any broker.
-//!
-//! A broker redelivers a message when a consumer dies before acknowledging it, when a publisher
-//! retries, or when a job is re-queued. A [`Consumer`] runs the message's work under the
-//! idempotency key `(scope, message type, message id)` with [`Idempotency::run`]: the work and the
-//! key's completion commit in one transaction, so the effect happens once however many copies
-//! arrive, and the answer is a [`Decision`] the transport turns into an ack, a requeue or a
-//! dead-letter. Acknowledge only once `handle` returned: the business transaction has then
-//! committed (or rolled back), so a crash before the ack costs a redelivery, which is acked as
-//! a replay.
-//!
-//! | what happened | [`Decision`] | the key |
-//! |---|---|---|
-//! | the work ran and committed | `Ack { replayed: false }` | completed |
-//! | an earlier copy completed (same payload) | `Ack { replayed: true }` | completed |
-//! | another copy is running now, and completes within [`with_in_progress_wait`](Consumer::with_in_progress_wait) | `Ack { replayed: true }` | completed |
-//! | another copy is running now, and still is after the wait | `RetryLater { delay }` | pending (theirs) |
-//! | the same id with another payload | `DeadLetter(PayloadMismatch)` | untouched; never applied |
-//! | the work failed ([`FailureKind::Transient`], a panic) | `Retry { delay, .. }`, with backoff | released; the failure is counted |
-//! | … for the [`max_failures`](Consumer::with_max_failures)-th time (poison) | `DeadLetter(Poison)` | released; counted |
-//! | the work failed for good ([`FailureKind::Definitive`]) | `DeadLetter(Definitive)` | released |
-//! | a dependency is down ([`FailureKind::Unavailable`], the store unreachable) | `Retry { delay, .. }` | released; not counted |
-//! | the key is parked as *needs review* | `DeadLetter(NeedsReview)` | needs review |
-//!
-//! # Counting failures
-//!
-//! Brokers do not agree on a delivery count (a RabbitMQ classic queue only says *redelivered*,
-//! Kafka says nothing), so the consumer counts failed attempts itself, in the key table, with the
-//! [`Store`] methods alone: the `n`-th failure of a message completes a **failure record**, a row
-//! whose key is the message's with the operation `"{message type}#failure-{n}"` and whose stored
-//! result holds the error. A failed message's own key is released (a redelivery must be able to
-//! run it again), so its row cannot hold the count. The records are inserted under the key
-//! table's unique constraint, so copies failing at the same time count twice, never once; they
-//! expire and are purged with the keys (retention, default 24 h). A message re-driven from a
-//! dead-letter queue after `max_failures` gets one more attempt per delivery. Deliveries that
-//! found the key in progress are not failures and are not counted; a process that dies inside
-//! the work is not counted either (use the broker's own limit, such as RabbitMQ's quorum-queue
-//! `x-delivery-limit`, as a backstop for messages that crash the process).
-//!
-//! ```
-//! # #[cfg(feature = "sqlite")]
-//! # #[tokio::main(flavor = "current_thread")]
-//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-//! use idempotency::consumer::{Consumer, DeadLetter, Decision, Message};
-//! use idempotency::{store::{sqlite::SqliteStore, Store}, Idempotency};
-//!
-//! let store = SqliteStore::connect("sqlite::memory:").await?;
-//! store.migrate().await?;
-//! sqlx::query("CREATE TABLE shipments (order_id TEXT NOT NULL)").execute(store.pool()).await?;
-//! let consumer = Consumer::new(Idempotency::new(store.clone())).with_max_failures(5);
-//!
-//! // The broker delivers the same message twice (a consumer died before its ack).
-//! let body = br#"{"order": "o-1", "items": 2}"#;
-//! for _ in 0..2 {
-//!     let message = Message::json_bytes("shipping", "order.paid", "msg-0001", body)?;
-//!     let decision = consumer
-//!         .handle(&message, |tx| Box::pin(async move {
-//!             sqlx::query("INSERT INTO shipments (order_id) VALUES ('o-1')").execute(&mut **tx).await?;
-//!             Ok::<_, sqlx::Error>(())
-//!         }))
-//!         .await;
-//!     assert!(decision.is_ack()); // executed, then replayed: ack both
-//! }
-//! let shipped: i64 = sqlx::query_scalar("SELECT count(*) FROM shipments").fetch_one(store.pool()).await?;
-//! assert_eq!(shipped, 1);
-//!
-//! // The same id with another body is a producer's bug: dead-letter it, never apply it.
-//! let other = Message::json_bytes("shipping", "order.paid", "msg-0001", br#"{"order": "o-2"}"#)?;
-//! let decision = consumer.handle(&other, |_tx| Box::pin(async { Ok::<_, sqlx::Error>(()) })).await;
-//! assert_eq!(decision, Decision::DeadLetter(DeadLetter::PayloadMismatch));
-//! # Ok(()) }
-//! # #[cfg(not(feature = "sqlite"))]
-//! # fn main() {}
-//! ```
 
 use crate::{
     error::{Error, StoreError},
@@ -110,12 +37,12 @@ const RECORD_ATTEMPTS: u32 = 8;
 ///   matter), the bytes as they are otherwise. The same id with another payload is dead-lettered.
 ///
 /// ```
-/// use idempotency::consumer::Message;
+/// use idempotency::Message;
 /// let a = Message::json_bytes("billing", "invoice.send", "m-1", br#"{"a": 1, "b": 2}"#)?;
 /// let b = Message::json("billing", "invoice.send", "m-1", &serde_json::json!({"b": 2, "a": 1}))?;
 /// assert_eq!(a.fingerprint(), b.fingerprint());
 /// assert_eq!(a.key().to_string(), "billing/invoice.send/m-1");
-/// # Ok::<(), idempotency::consumer::InvalidMessage>(())
+/// # Ok::<(), idempotency::InvalidMessage>(())
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Message {
@@ -191,7 +118,7 @@ impl Message {
 /// can fix it.
 ///
 /// ```
-/// use idempotency::consumer::{InvalidMessage, Message};
+/// use idempotency::{InvalidMessage, Message};
 /// let error = Message::json_bytes("q", "t", "m-1", b"not json").unwrap_err();
 /// assert!(matches!(error, InvalidMessage::Json(_)));
 /// ```
@@ -215,7 +142,7 @@ pub enum InvalidMessage {
 /// What the transport should do with a delivery, as [`Consumer::handle`] decided it.
 ///
 /// ```
-/// use idempotency::consumer::Decision;
+/// use idempotency::Decision;
 /// use std::time::Duration;
 /// let decision = Decision::RetryLater { delay: Duration::from_millis(200) };
 /// assert!(!decision.is_ack());
@@ -278,7 +205,7 @@ impl fmt::Display for Decision {
 /// metric; `Display` is the reason for a human.
 ///
 /// ```
-/// use idempotency::consumer::DeadLetter;
+/// use idempotency::DeadLetter;
 /// let poison = DeadLetter::Poison { failures: 5, last_error: "timeout".into() };
 /// assert_eq!(poison.code(), "poison");
 /// assert_eq!(poison.to_string(), "the work failed 5 times; last: timeout");
@@ -343,7 +270,7 @@ impl fmt::Display for DeadLetter {
 /// How a failed work's error should be treated; see [`Consumer::handle_with`].
 ///
 /// ```
-/// use idempotency::consumer::FailureKind;
+/// use idempotency::FailureKind;
 /// let classify = |e: &std::io::Error| match e.kind() {
 ///     std::io::ErrorKind::InvalidData => FailureKind::Definitive,
 ///     std::io::ErrorKind::ConnectionRefused => FailureKind::Unavailable,
@@ -367,7 +294,80 @@ pub enum FailureKind {
 /// Runs messages' work at most once per `(scope, message type, id)` and says what to do with
 /// each delivery. Cheap to clone; share one per queue.
 ///
-/// See the [module documentation](self) for the decisions and how failures are counted.
+/// Queue consumers: exactly-once **effects** on at-least-once **delivery**, for any broker.
+///
+/// A broker redelivers a message when a consumer dies before acknowledging it, when a publisher
+/// retries, or when a job is re-queued. A [`Consumer`] runs the message's work under the
+/// idempotency key `(scope, message type, message id)` with [`Idempotency::run`]: the work and the
+/// key's completion commit in one transaction, so the effect happens once however many copies
+/// arrive, and the answer is a [`Decision`] the transport turns into an ack, a requeue or a
+/// dead-letter. Acknowledge only once `handle` returned: the business transaction has then
+/// committed (or rolled back), so a crash before the ack costs a redelivery, which is acked as
+/// a replay.
+///
+/// | what happened | [`Decision`] | the key |
+/// |---|---|---|
+/// | the work ran and committed | `Ack { replayed: false }` | completed |
+/// | an earlier copy completed (same payload) | `Ack { replayed: true }` | completed |
+/// | another copy is running now, and completes within [`with_in_progress_wait`](Consumer::with_in_progress_wait) | `Ack { replayed: true }` | completed |
+/// | another copy is running now, and still is after the wait | `RetryLater { delay }` | pending (theirs) |
+/// | the same id with another payload | `DeadLetter(PayloadMismatch)` | untouched; never applied |
+/// | the work failed ([`FailureKind::Transient`], a panic) | `Retry { delay, .. }`, with backoff | released; the failure is counted |
+/// | … for the [`max_failures`](Consumer::with_max_failures)-th time (poison) | `DeadLetter(Poison)` | released; counted |
+/// | the work failed for good ([`FailureKind::Definitive`]) | `DeadLetter(Definitive)` | released |
+/// | a dependency is down ([`FailureKind::Unavailable`], the store unreachable) | `Retry { delay, .. }` | released; not counted |
+/// | the key is parked as *needs review* | `DeadLetter(NeedsReview)` | needs review |
+///
+/// # Counting failures
+///
+/// Brokers do not agree on a delivery count (a RabbitMQ classic queue only says *redelivered*,
+/// Kafka says nothing), so the consumer counts failed attempts itself, in the key table, with the
+/// [`Store`] methods alone: the `n`-th failure of a message completes a **failure record**, a row
+/// whose key is the message's with the operation `"{message type}#failure-{n}"` and whose stored
+/// result holds the error. A failed message's own key is released (a redelivery must be able to
+/// run it again), so its row cannot hold the count. The records are inserted under the key
+/// table's unique constraint, so copies failing at the same time count twice, never once; they
+/// expire and are purged with the keys (retention, default 24 h). A message re-driven from a
+/// dead-letter queue after `max_failures` gets one more attempt per delivery. Deliveries that
+/// found the key in progress are not failures and are not counted; a process that dies inside
+/// the work is not counted either (use the broker's own limit, such as RabbitMQ's quorum-queue
+/// `x-delivery-limit`, as a backstop for messages that crash the process).
+///
+/// ```
+/// # #[cfg(feature = "sqlite")]
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// use idempotency::{Consumer, DeadLetter, Decision, Message};
+/// use idempotency::{SqliteStore, Store, Idempotency};
+///
+/// let store = SqliteStore::connect("sqlite::memory:").await?;
+/// store.migrate().await?;
+/// sqlx::query("CREATE TABLE shipments (order_id TEXT NOT NULL)").execute(store.pool()).await?;
+/// let consumer = Consumer::new(Idempotency::new(store.clone())).with_max_failures(5);
+///
+/// // The broker delivers the same message twice (a consumer died before its ack).
+/// let body = br#"{"order": "o-1", "items": 2}"#;
+/// for _ in 0..2 {
+///     let message = Message::json_bytes("shipping", "order.paid", "msg-0001", body)?;
+///     let decision = consumer
+///         .handle(&message, |tx| Box::pin(async move {
+///             sqlx::query("INSERT INTO shipments (order_id) VALUES ('o-1')").execute(&mut **tx).await?;
+///             Ok::<_, sqlx::Error>(())
+///         }))
+///         .await;
+///     assert!(decision.is_ack()); // executed, then replayed: ack both
+/// }
+/// let shipped: i64 = sqlx::query_scalar("SELECT count(*) FROM shipments").fetch_one(store.pool()).await?;
+/// assert_eq!(shipped, 1);
+///
+/// // The same id with another body is a producer's bug: dead-letter it, never apply it.
+/// let other = Message::json_bytes("shipping", "order.paid", "msg-0001", br#"{"order": "o-2"}"#)?;
+/// let decision = consumer.handle(&other, |_tx| Box::pin(async { Ok::<_, sqlx::Error>(()) })).await;
+/// assert_eq!(decision, Decision::DeadLetter(DeadLetter::PayloadMismatch));
+/// # Ok(()) }
+/// # #[cfg(not(feature = "sqlite"))]
+/// # fn main() {}
+/// ```
 #[derive(Debug, Clone)]
 pub struct Consumer<S> {
     engine: Idempotency<S>,

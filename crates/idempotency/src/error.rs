@@ -116,9 +116,22 @@ pub enum StoreError {
     /// The reservation kept changing under us (a key reserved and released over and over); gave up.
     #[error("the idempotency key kept changing during reservation; gave up after {0} attempts")]
     Contention(u32),
-    /// The schema could not be installed.
-    #[error("migration failed: {0}")]
-    Migration(String),
+    /// A statement of a schema migration failed; nothing after it was applied.
+    #[error("migration {version} ({description}) failed")]
+    Migration {
+        /// The migration's version.
+        version: i64,
+        /// What the migration does.
+        description: &'static str,
+        /// The database's answer.
+        source: sqlx::Error,
+    },
+    /// Another process held the migration lock for longer than `migrate` waits.
+    #[error("could not take the migration lock within {waited:?}")]
+    MigrationLocked {
+        /// How long `migrate` waited.
+        waited: Duration,
+    },
 }
 
 impl StoreError {

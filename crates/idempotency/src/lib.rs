@@ -2,26 +2,48 @@
 #![warn(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
-pub mod consumer;
-pub mod error;
-pub mod fingerprint;
-pub mod key;
-pub mod operation;
-pub mod outcome;
-pub mod protocol;
+mod consumer;
+mod error;
+mod fingerprint;
+mod key;
+mod operation;
+mod outcome;
+mod protocol;
 mod recent_replays;
-pub mod recovery;
-pub mod retention;
-pub mod steps;
-pub mod store;
-pub mod worker;
+mod recovery;
+mod retention;
+mod steps;
+mod store;
+mod worker;
 
-pub use consumer::{Consumer, DeadLetter, Decision, FailureKind, Message};
+pub use consumer::{
+    Consumer, DeadLetter, Decision, FailureKind, InvalidMessage, Message, MAX_MESSAGE_TYPE_LEN,
+};
 pub use error::{Error, StoreError};
-pub use fingerprint::{Fingerprint, FingerprintBuilder};
-pub use key::{IdempotencyKey, InvalidKey, KeyPart};
+pub use fingerprint::{canonical_json, Fingerprint, FingerprintBuilder};
+pub use key::{IdempotencyKey, InvalidKey, KeyPart, MAX_PART_LEN};
 pub use operation::{Operation, Operations};
 pub use outcome::Outcome;
 pub use protocol::{AfterError, Attempt, Idempotency, Lease, PerformError, Reservation};
-pub use steps::{CallError, Finished, Lookup, Settlement, StepError, StepPolicy, Steps};
-pub use store::{Effects, Insertion, KeyRecord, KeyState, LeaseToken, PendingRow, Progress, Store};
+pub use recovery::{
+    resolve, NoResolver, ProviderAnswer, Recovery, RecoveryReport, ResolveError, Resolver,
+};
+pub use retention::{Purge, PurgeReport};
+pub use steps::{
+    provider_key, BoxError, CallError, Finished, Lookup, Settlement, StepError, StepPolicy, Steps,
+    MAX_STORED_REQUEST,
+};
+#[cfg(feature = "mysql")]
+#[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
+pub use store::mysql::MySqlStore;
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+pub use store::postgres::{completion_payload, PgStore, COMPLETION_CHANNEL, NOTIFIED_POLL};
+#[cfg(feature = "sqlite")]
+#[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
+pub use store::sqlite::SqliteStore;
+pub use store::{
+    Awaited, Effects, Insertion, KeyFilter, KeyRecord, KeyState, KeyStats, LeaseToken, Maintenance,
+    PendingRow, Progress, Resolution, StateCount, Store, POLL_FIRST, POLL_MAX,
+};
+pub use worker::{MaintenanceWorker, WorkerHandle, WorkerReport};

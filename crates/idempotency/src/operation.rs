@@ -1,54 +1,4 @@
 //! Durable operations by name: the [`Operation`] trait, and the [`Operations`] registry through
-//! which the resumer finds the function of a key it took over.
-//!
-//! An operation is registered once, by its name (the operation part of its keys). The request
-//! path ([`Idempotency::perform`]), a client's retry (the same call, which takes over a key whose
-//! holder went away) and the resumer ([`Recovery::with_operations`](crate::recovery::Recovery::with_operations))
-//! all run the same [`Operation::run`], which continues from the last recovery point.
-//!
-//! ```
-//! # #[cfg(feature = "sqlite")]
-//! # mod demo {
-//! use idempotency::operation::{Operation, Operations};
-//! use idempotency::steps::{CallError, Finished, Lookup, StepError, Steps};
-//! use idempotency::store::sqlite::SqliteStore;
-//! use serde::{Deserialize, Serialize};
-//!
-//! #[derive(Serialize, Deserialize)]
-//! pub struct Charge { pub account: String, pub cents: i64 }
-//!
-//! pub struct ChargeCard;
-//!
-//! impl Operation<SqliteStore> for ChargeCard {
-//!     type Request = Charge;
-//!     type Response = String;
-//!     fn name(&self) -> &str { "charge-card" }
-//!     async fn run(&self, steps: &mut Steps<SqliteStore>, request: &Charge) -> Result<Finished<String>, StepError> {
-//!         let cents = request.cents;
-//!         // (a) a local step: its writes commit with the recovery point.
-//!         steps.local("reserve-funds", |tx| Box::pin(async move {
-//!             sqlx::query("UPDATE accounts SET held = held + ?1").bind(cents).execute(&mut **tx).await
-//!                 .map(|_| ())
-//!         })).await?;
-//!         // (b) an outside call with a key derived from ours, and a lookup by the same key.
-//!         let charge_id: String = steps.call(
-//!             "charge",
-//!             |provider_key| async move { Ok::<_, CallError>(format!("ch_{provider_key}")) },
-//!             |provider_key| async move { Lookup::Done(format!("ch_{provider_key}")) },
-//!         ).await?;
-//!         // (c) the last local writes and the key's completion, in one transaction.
-//!         steps.finish(|tx| Box::pin(async move {
-//!             sqlx::query("UPDATE accounts SET held = held - ?1").bind(cents).execute(&mut **tx).await?;
-//!             Ok::<_, sqlx::Error>(charge_id)
-//!         })).await
-//!     }
-//! }
-//!
-//! pub fn registry() -> Operations<SqliteStore> {
-//!     Operations::new().with(ChargeCard)
-//! }
-//! # }
-//! ```
 
 use crate::{
     protocol::{Idempotency, Lease, PerformError},
@@ -64,6 +14,58 @@ use std::{collections::HashMap, future::Future, panic::AssertUnwindSafe, sync::A
 /// `run` must be written so that running it again from the top is correct: every effect goes
 /// through a step ([`Steps::local`], [`Steps::call`], [`Steps::call_unkeyed`]) and the last one is
 /// [`Steps::finish`] or [`Steps::fail`]. Code between steps must not write anywhere.
+///
+/// Durable operations by name: the [`Operation`] trait, and the [`Operations`] registry through
+/// which the resumer finds the function of a key it took over.
+///
+/// An operation is registered once, by its name (the operation part of its keys). The request
+/// path ([`Idempotency::perform`]), a client's retry (the same call, which takes over a key whose
+/// holder went away) and the resumer ([`Recovery::with_operations`](crate::recovery::Recovery::with_operations))
+/// all run the same [`Operation::run`], which continues from the last recovery point.
+///
+/// ```
+/// # #[cfg(feature = "sqlite")]
+/// # mod demo {
+/// use idempotency::{Operation, Operations};
+/// use idempotency::{CallError, Finished, Lookup, StepError, Steps};
+/// use idempotency::SqliteStore;
+/// use serde::{Deserialize, Serialize};
+///
+/// #[derive(Serialize, Deserialize)]
+/// pub struct Charge { pub account: String, pub cents: i64 }
+///
+/// pub struct ChargeCard;
+///
+/// impl Operation<SqliteStore> for ChargeCard {
+///     type Request = Charge;
+///     type Response = String;
+///     fn name(&self) -> &str { "charge-card" }
+///     async fn run(&self, steps: &mut Steps<SqliteStore>, request: &Charge) -> Result<Finished<String>, StepError> {
+///         let cents = request.cents;
+///         // (a) a local step: its writes commit with the recovery point.
+///         steps.local("reserve-funds", |tx| Box::pin(async move {
+///             sqlx::query("UPDATE accounts SET held = held + ?1").bind(cents).execute(&mut **tx).await
+///                 .map(|_| ())
+///         })).await?;
+///         // (b) an outside call with a key derived from ours, and a lookup by the same key.
+///         let charge_id: String = steps.call(
+///             "charge",
+///             |provider_key| async move { Ok::<_, CallError>(format!("ch_{provider_key}")) },
+///             |provider_key| async move { Lookup::Done(format!("ch_{provider_key}")) },
+///         ).await?;
+///         // (c) the last local writes and the key's completion, in one transaction.
+///         steps.finish(|tx| Box::pin(async move {
+///             sqlx::query("UPDATE accounts SET held = held - ?1").bind(cents).execute(&mut **tx).await?;
+///             Ok::<_, sqlx::Error>(charge_id)
+///         })).await
+///     }
+/// }
+///
+/// pub fn registry() -> Operations<SqliteStore> {
+///     Operations::new().with(ChargeCard)
+/// }
+/// # }
+/// ```
 pub trait Operation<S: Store>: Send + Sync + 'static {
     /// What the client asks for; stored with the key (canonical JSON) so the operation can be
     /// resumed without the client.
@@ -125,7 +127,7 @@ impl<S: Store, O: Operation<S>> Resumable<S> for O {
 /// ```
 /// # #[cfg(feature = "sqlite")]
 /// # {
-/// use idempotency::{operation::Operations, store::sqlite::SqliteStore};
+/// use idempotency::{Operations, SqliteStore};
 /// let registry: Operations<SqliteStore> = Operations::new();
 /// assert!(!registry.contains("purchase"));
 /// # }

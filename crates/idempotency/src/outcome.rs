@@ -2,6 +2,9 @@
 
 /// The result of [`Idempotency::run`](crate::Idempotency::run).
 ///
+/// Deliberately exhaustive: a completed operation is either run by this call or replayed, the
+/// article's two answers that carry a result (the others are [`Error`](crate::Error) variants).
+///
 /// ```
 /// use idempotency::Outcome;
 /// let first: Outcome<u32> = Outcome::Executed(7);

@@ -24,21 +24,15 @@ const RESERVE_ATTEMPTS: u32 = 8;
 /// use idempotency::{Attempt, Effects, Fingerprint, IdempotencyKey};
 /// let key = IdempotencyKey::new("user-1", "send-mail", "k-1")?;
 /// let attempt = Attempt::new(key, Fingerprint::of_bytes(b"hello")).with_effects(Effects::External);
-/// assert_eq!(attempt.effects, Effects::External);
+/// assert_eq!(attempt.effects(), Effects::External);
 /// # Ok::<(), idempotency::InvalidKey>(())
 /// ```
 #[derive(Debug, Clone)]
 pub struct Attempt {
-    /// The key.
-    pub key: IdempotencyKey,
-    /// What this request asked for.
-    pub fingerprint: Fingerprint,
-    /// What the work touches (default [`Effects::Local`]).
-    pub effects: Effects,
-    /// Whether the work is a durable operation ([`Steps`]) that commits a recovery point before
-    /// any outside call (default `false`). Its reservation then need not be flushed to disk on
-    /// its own: the first step's commit flushes it too (see [`Attempt::with_journaled`]).
-    pub journaled: bool,
+    key: IdempotencyKey,
+    fingerprint: Fingerprint,
+    effects: Effects,
+    journaled: bool,
 }
 
 impl Attempt {
@@ -50,6 +44,33 @@ impl Attempt {
             effects: Effects::Local,
             journaled: false,
         }
+    }
+
+    /// The key.
+    pub fn key(&self) -> &IdempotencyKey {
+        &self.key
+    }
+
+    /// The key, taking the attempt apart.
+    pub fn into_key(self) -> IdempotencyKey {
+        self.key
+    }
+
+    /// What this request asked for.
+    pub fn fingerprint(&self) -> &Fingerprint {
+        &self.fingerprint
+    }
+
+    /// What the work touches (default [`Effects::Local`]).
+    pub fn effects(&self) -> Effects {
+        self.effects
+    }
+
+    /// Whether the work is a durable operation ([`Steps`]) that commits a recovery point before
+    /// any outside call (default `false`). Its reservation then need not be flushed to disk on
+    /// its own: the first step's commit flushes it too (see [`Attempt::with_journaled`]).
+    pub fn journaled(&self) -> bool {
+        self.journaled
     }
 
     /// Sets what the work touches.
@@ -73,7 +94,7 @@ impl Attempt {
     /// let attempt = Attempt::new(key, Fingerprint::of_bytes(b"{}"))
     ///     .with_effects(Effects::External)
     ///     .with_journaled(true);
-    /// assert!(attempt.journaled);
+    /// assert!(attempt.journaled());
     /// # Ok::<(), idempotency::InvalidKey>(())
     /// ```
     pub fn with_journaled(mut self, journaled: bool) -> Self {
@@ -236,7 +257,7 @@ impl<S: Store> Lease<S> {
     /// panicked after calling a provider).
     ///
     /// ```no_run
-    /// # async fn demo(lease: idempotency::Lease<idempotency::store::sqlite::SqliteStore>) {
+    /// # async fn demo(lease: idempotency::Lease<idempotency::SqliteStore>) {
     /// lease.leave_pending();
     /// # }
     /// ```
@@ -326,7 +347,7 @@ impl<S: Store> Drop for Unclaimed<S> {
 /// ```no_run
 /// # #[cfg(feature = "sqlite")]
 /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
-/// use idempotency::{store::{sqlite::SqliteStore, Store}, Attempt, Fingerprint, IdempotencyKey, Idempotency, Outcome};
+/// use idempotency::{SqliteStore, Store, Attempt, Fingerprint, IdempotencyKey, Idempotency, Outcome};
 ///
 /// let store = SqliteStore::connect("sqlite://shop.db?mode=rwc").await?;
 /// store.migrate().await?;
@@ -406,7 +427,7 @@ impl<S: Store> Idempotency<S> {
     /// ```
     /// # #[cfg(feature = "sqlite")]
     /// # async fn demo() -> Result<(), idempotency::StoreError> {
-    /// # use idempotency::{store::sqlite::SqliteStore, Idempotency};
+    /// # use idempotency::{SqliteStore, Idempotency};
     /// let store = SqliteStore::connect("sqlite::memory:").await?;
     /// let writes_mostly = Idempotency::new(store).with_replay_first(false);
     /// # Ok(()) }
@@ -685,7 +706,7 @@ impl<S: Store> Idempotency<S> {
     /// # #[cfg(feature = "sqlite")]
     /// # #[tokio::main(flavor = "current_thread")]
     /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    /// use idempotency::{store::{sqlite::SqliteStore, Store}, Attempt, Fingerprint, Idempotency, IdempotencyKey};
+    /// use idempotency::{SqliteStore, Store, Attempt, Fingerprint, Idempotency, IdempotencyKey};
     ///
     /// struct Order { sku: String, quantity: i64 }
     ///
@@ -762,7 +783,7 @@ impl<S: Store> Idempotency<S> {
     /// # #[cfg(feature = "sqlite")]
     /// # #[tokio::main(flavor = "current_thread")]
     /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    /// use idempotency::{store::{sqlite::SqliteStore, Store}, AfterError, Attempt, Effects, Error, Fingerprint, Idempotency, IdempotencyKey};
+    /// use idempotency::{SqliteStore, Store, AfterError, Attempt, Effects, Error, Fingerprint, Idempotency, IdempotencyKey};
     ///
     /// struct Mail { to: String }
     ///

@@ -1,41 +1,4 @@
 //! Recovery of abandoned keys and operator resolution of parked ones.
-//!
-//! A key stays `pending` when its worker died between reserving it and finishing (a crash, a
-//! killed pod). Once its lease has ended, the recovery job decides, in the order the article
-//! describes:
-//!
-//! * **local** operations (only our database) are released: their business transaction commits
-//!   together with the key's completion, so a pending key means nothing was committed;
-//! * **external** operations (a payment, a mail) are asked about: a [`Resolver`] queries the
-//!   provider with the same key and answers *completed* (the result is stored), *failed* (the key
-//!   is released so a retry runs again) or *unknown*. With no resolver, or still unknown after
-//!   [`Recovery::with_max_attempts`] passes, the key is parked as `needs_review` and never released
-//!   automatically; an operator settles it with [`resolve`] (`idem keys resolve`).
-//!
-//! Every decision is fenced: the job first *claims* the key (a conditional UPDATE from the stale
-//! lease token to its own), and writes the decision conditional on its own token. Two recovery
-//! workers, or a recovery worker and the late original worker, never both act.
-//!
-//! ```no_run
-//! # #[cfg(feature = "sqlite")]
-//! # async fn demo() -> Result<(), idempotency::StoreError> {
-//! use idempotency::recovery::{ProviderAnswer, Recovery, Resolver};
-//! use idempotency::store::{sqlite::SqliteStore, Store};
-//! use idempotency::KeyRecord;
-//!
-//! struct Payments;
-//! impl Resolver for Payments {
-//!     async fn resolve(&self, record: &KeyRecord) -> ProviderAnswer {
-//!         // Ask the payment provider about `record.key.key()` here.
-//!         ProviderAnswer::Unknown
-//!     }
-//! }
-//!
-//! let store = SqliteStore::connect("sqlite://shop.db?mode=rwc").await?;
-//! let report = Recovery::new(store).with_resolver(Payments).run_once().await?;
-//! println!("released {}, parked {}", report.released, report.parked);
-//! # Ok(()) }
-//! ```
 
 use crate::{
     error::StoreError,
@@ -51,7 +14,7 @@ use std::{fmt, future::Future, panic::AssertUnwindSafe, time::Duration};
 /// What the provider says about an external operation whose worker vanished.
 ///
 /// ```
-/// use idempotency::recovery::ProviderAnswer;
+/// use idempotency::ProviderAnswer;
 /// let answer = ProviderAnswer::Completed(br#"{"charge":"ch_1"}"#.to_vec());
 /// assert!(matches!(answer, ProviderAnswer::Completed(_)));
 /// ```
@@ -72,7 +35,7 @@ pub enum ProviderAnswer {
 /// answer [`ProviderAnswer::Unknown`].
 ///
 /// ```
-/// use idempotency::recovery::{ProviderAnswer, Resolver};
+/// use idempotency::{ProviderAnswer, Resolver};
 /// use idempotency::KeyRecord;
 /// struct AlwaysFailed;
 /// impl Resolver for AlwaysFailed {
@@ -89,9 +52,9 @@ pub trait Resolver: Send + Sync + 'static {
 /// The absence of a resolver: external keys are parked for a human.
 ///
 /// ```
-/// use idempotency::recovery::{NoResolver, Recovery};
+/// use idempotency::{NoResolver, Recovery};
 /// # #[cfg(feature = "sqlite")]
-/// # fn demo(store: idempotency::store::sqlite::SqliteStore) {
+/// # fn demo(store: idempotency::SqliteStore) {
 /// let recovery: Recovery<_, NoResolver> = Recovery::new(store);
 /// # }
 /// ```
@@ -107,12 +70,15 @@ impl Resolver for NoResolver {
 /// What one recovery pass did, key by key.
 ///
 /// ```
-/// use idempotency::recovery::RecoveryReport;
-/// let report = RecoveryReport { released: 2, parked: 1, ..RecoveryReport::default() };
+/// use idempotency::RecoveryReport;
+/// let mut report = RecoveryReport::default();
+/// report.released = 2;
+/// report.parked = 1;
 /// assert_eq!(report.acted(), 3);
 /// assert_eq!(report.to_string(), "released 2, completed 0, failed 0, parked 1, unknown 0, skipped 0");
 /// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct RecoveryReport {
     /// Local keys released (and external ones whose provider answered "failed" are counted in
     /// `failed`, not here).
@@ -160,8 +126,8 @@ impl fmt::Display for RecoveryReport {
 ///
 /// ```no_run
 /// # #[cfg(feature = "sqlite")]
-/// # async fn demo(store: idempotency::store::sqlite::SqliteStore) -> Result<(), idempotency::StoreError> {
-/// use idempotency::recovery::Recovery;
+/// # async fn demo(store: idempotency::SqliteStore) -> Result<(), idempotency::StoreError> {
+/// use idempotency::Recovery;
 /// use std::time::Duration;
 /// let recovery = Recovery::new(store).with_max_attempts(3).with_batch(500);
 /// let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -171,6 +137,45 @@ impl fmt::Display for RecoveryReport {
 /// // … on shutdown:
 /// let _ = stop.send(());
 /// let total = job.await.unwrap()?;
+/// # Ok(()) }
+/// ```
+///
+/// Recovery of abandoned keys and operator resolution of parked ones.
+///
+/// A key stays `pending` when its worker died between reserving it and finishing (a crash, a
+/// killed pod). Once its lease has ended, the recovery job decides, in the order the article
+/// describes:
+///
+/// * **local** operations (only our database) are released: their business transaction commits
+///   together with the key's completion, so a pending key means nothing was committed;
+/// * **external** operations (a payment, a mail) are asked about: a [`Resolver`] queries the
+///   provider with the same key and answers *completed* (the result is stored), *failed* (the key
+///   is released so a retry runs again) or *unknown*. With no resolver, or still unknown after
+///   [`Recovery::with_max_attempts`] passes, the key is parked as `needs_review` and never released
+///   automatically; an operator settles it with [`resolve`] (`idem keys resolve`).
+///
+/// Every decision is fenced: the job first *claims* the key (a conditional UPDATE from the stale
+/// lease token to its own), and writes the decision conditional on its own token. Two recovery
+/// workers, or a recovery worker and the late original worker, never both act.
+///
+/// ```no_run
+/// # #[cfg(feature = "sqlite")]
+/// # async fn demo() -> Result<(), idempotency::StoreError> {
+/// use idempotency::{ProviderAnswer, Recovery, Resolver};
+/// use idempotency::{SqliteStore, Store};
+/// use idempotency::KeyRecord;
+///
+/// struct Payments;
+/// impl Resolver for Payments {
+///     async fn resolve(&self, record: &KeyRecord) -> ProviderAnswer {
+///         // Ask the payment provider about `record.key.key()` here.
+///         ProviderAnswer::Unknown
+///     }
+/// }
+///
+/// let store = SqliteStore::connect("sqlite://shop.db?mode=rwc").await?;
+/// let report = Recovery::new(store).with_resolver(Payments).run_once().await?;
+/// println!("released {}, parked {}", report.released, report.parked);
 /// # Ok(()) }
 /// ```
 #[derive(Debug, Clone)]
@@ -537,7 +542,7 @@ impl RecoveryReport {
 /// Why [`resolve`] refused.
 ///
 /// ```
-/// use idempotency::recovery::ResolveError;
+/// use idempotency::ResolveError;
 /// assert!(ResolveError::EmptyReason.to_string().contains("reason"));
 /// ```
 #[derive(Debug, thiserror::Error)]
@@ -567,8 +572,8 @@ pub enum ResolveError {
 ///
 /// ```no_run
 /// # #[cfg(feature = "sqlite")]
-/// # async fn demo(store: idempotency::store::sqlite::SqliteStore) -> Result<(), Box<dyn std::error::Error>> {
-/// use idempotency::{recovery::resolve, store::Resolution, IdempotencyKey};
+/// # async fn demo(store: idempotency::SqliteStore) -> Result<(), Box<dyn std::error::Error>> {
+/// use idempotency::{resolve, Resolution, IdempotencyKey};
 /// use std::time::Duration;
 /// let key = IdempotencyKey::new("user-1", "charge", "k-9")?;
 /// let row = resolve(&store, &key, &Resolution::Failed, "provider shows no charge", Duration::from_secs(86_400)).await?;

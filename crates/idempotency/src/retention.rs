@@ -1,19 +1,4 @@
 //! Retention purge: keys and results are kept for as long as a retry may come (hours to days),
-//! then deleted, so the table does not grow without bound.
-//!
-//! The purge deletes `completed` and `failed` rows past their `expires_at` in bounded batches (one
-//! short statement each, 1,000 rows by default), so it never holds long locks and requests keep
-//! reserving keys while it runs. Several instances may purge at once: on PostgreSQL each batch
-//! skips rows another purge has locked. `pending` and `needs_review` rows are never deleted.
-//!
-//! ```no_run
-//! # #[cfg(feature = "sqlite")]
-//! # async fn demo(store: idempotency::store::sqlite::SqliteStore) -> Result<(), idempotency::StoreError> {
-//! use idempotency::retention::Purge;
-//! let report = Purge::new(store).with_batch(1_000).run(|deleted| eprintln!("{deleted} rows")).await?;
-//! println!("deleted {} rows in {} batches", report.deleted, report.batches);
-//! # Ok(()) }
-//! ```
 
 use crate::{error::StoreError, store::Maintenance};
 use std::time::{Duration, Instant};
@@ -21,11 +6,12 @@ use std::time::{Duration, Instant};
 /// What a purge did.
 ///
 /// ```
-/// use idempotency::retention::PurgeReport;
+/// use idempotency::PurgeReport;
 /// let report = PurgeReport::default();
 /// assert_eq!(report.deleted, 0);
 /// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct PurgeReport {
     /// Rows deleted.
     pub deleted: u64,
@@ -39,12 +25,29 @@ pub struct PurgeReport {
 ///
 /// ```no_run
 /// # #[cfg(feature = "sqlite")]
-/// # async fn demo(store: idempotency::store::sqlite::SqliteStore) -> Result<(), idempotency::StoreError> {
-/// use idempotency::retention::Purge;
+/// # async fn demo(store: idempotency::SqliteStore) -> Result<(), idempotency::StoreError> {
+/// use idempotency::Purge;
 /// use std::time::Duration;
 /// let purge = Purge::new(store).with_batch(500).with_pause(Duration::from_millis(5));
 /// println!("{} rows would be deleted", purge.count().await?);
 /// purge.run(|_| {}).await?;
+/// # Ok(()) }
+/// ```
+///
+/// Retention purge: keys and results are kept for as long as a retry may come (hours to days),
+/// then deleted, so the table does not grow without bound.
+///
+/// The purge deletes `completed` and `failed` rows past their `expires_at` in bounded batches (one
+/// short statement each, 1,000 rows by default), so it never holds long locks and requests keep
+/// reserving keys while it runs. Several instances may purge at once: on PostgreSQL each batch
+/// skips rows another purge has locked. `pending` and `needs_review` rows are never deleted.
+///
+/// ```no_run
+/// # #[cfg(feature = "sqlite")]
+/// # async fn demo(store: idempotency::SqliteStore) -> Result<(), idempotency::StoreError> {
+/// use idempotency::Purge;
+/// let report = Purge::new(store).with_batch(1_000).run(|deleted| eprintln!("{deleted} rows")).await?;
+/// println!("deleted {} rows in {} batches", report.deleted, report.batches);
 /// # Ok(()) }
 /// ```
 #[derive(Debug, Clone)]

@@ -1,28 +1,4 @@
 //! Durable steps: an operation that calls outside services, written as a sequence of **local
-//! steps** (our database) and **outside calls** (a payment provider, a mailer), each of which
-//! commits a *recovery point* with the key, so that the operation can be carried to its end by
-//! whoever holds the key next: the request itself, the client's retry, or the resumer.
-//!
-//! * A [local step](Steps::local) runs in a business transaction and commits its writes **with**
-//!   the key's new recovery point and the step's output (the journal). The write is fenced by the
-//!   lease token: a worker whose key was claimed by someone else rolls its step back
-//!   ([`StepError::LeaseLost`]).
-//! * An [outside call](Steps::call) gets a provider key derived from our key and the step's name
-//!   ([`provider_key`]), so calling again is safe. When the answer is lost, the provider is asked
-//!   with the same key ([`Lookup`]): *done* continues, *not done* calls again, *unknown* leaves the
-//!   key pending for the resumer ([`StepError::Pending`]). A provider **without** keys
-//!   ([`Steps::call_unkeyed`]) is marked as started before the call; an unknown outcome, or a
-//!   resumed operation that finds the mark, parks the key as *needs review*.
-//! * The operation ends with [`Steps::finish`] (its last local writes and the key's completion
-//!   with the response, in one transaction) or [`Steps::fail`] (compensating writes and a
-//!   definitive failure response, stored and replayed).
-//!
-//! Completed steps are never run again: a resumed operation re-runs the same function, and each
-//! step already in the journal returns its recorded output instead of running.
-//!
-//! The request is stored with the key (canonical JSON, at most [`MAX_STORED_REQUEST`] bytes) by the
-//! first step that writes, and cleared when the key completes. A pending key without a stored
-//! request has therefore made no outside call, and may be released.
 
 use crate::{
     error::StoreError,
@@ -66,7 +42,7 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// never does. 64 characters, within every provider's limit.
 ///
 /// ```
-/// use idempotency::{steps::provider_key, IdempotencyKey};
+/// use idempotency::{provider_key, IdempotencyKey};
 /// let key = IdempotencyKey::new("user-1", "purchase", "k-1")?;
 /// assert_eq!(provider_key(&key, "charge"), provider_key(&key, "charge"));
 /// assert_ne!(provider_key(&key, "charge"), provider_key(&key, "refund"));
@@ -85,7 +61,7 @@ pub fn provider_key(key: &IdempotencyKey, step: &str) -> String {
 /// How an outside call failed.
 ///
 /// ```
-/// use idempotency::steps::CallError;
+/// use idempotency::CallError;
 /// let lost = CallError::Unknown("timeout".into());
 /// assert!(lost.to_string().contains("timeout"));
 /// ```
@@ -103,7 +79,7 @@ pub enum CallError {
 /// What a provider says when asked about a call by its key.
 ///
 /// ```
-/// use idempotency::steps::Lookup;
+/// use idempotency::Lookup;
 /// let answer: Lookup<u32> = Lookup::Done(7);
 /// assert!(matches!(answer, Lookup::Done(7)));
 /// ```
@@ -121,7 +97,7 @@ pub enum Lookup<T> {
 /// How persistent a durable operation is with outside calls.
 ///
 /// ```
-/// use idempotency::steps::StepPolicy;
+/// use idempotency::StepPolicy;
 /// let policy = StepPolicy::default();
 /// assert_eq!(policy.max_unknown, 5);
 /// assert_eq!(policy.calls_per_step, 3);
@@ -154,7 +130,7 @@ impl Default for StepPolicy {
 /// (a declined call, a step not done) and [`fail`](Steps::fail) the operation.
 ///
 /// ```
-/// use idempotency::steps::StepError;
+/// use idempotency::StepError;
 /// let error = StepError::NotDone { step: "charge".into() };
 /// assert!(error.to_string().contains("charge"));
 /// ```
@@ -228,7 +204,7 @@ impl From<sqlx::Error> for StepError {
 /// How a durable operation was settled.
 ///
 /// ```
-/// use idempotency::steps::Settlement;
+/// use idempotency::Settlement;
 /// assert_ne!(Settlement::Completed, Settlement::Failed);
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -281,6 +257,32 @@ struct Journal {
 ///
 /// Made by [`Idempotency::perform`](crate::Idempotency::perform) and the resumer; an operation
 /// receives it in [`Operation::run`](crate::operation::Operation::run).
+///
+/// Durable steps: an operation that calls outside services, written as a sequence of **local
+/// steps** (our database) and **outside calls** (a payment provider, a mailer), each of which
+/// commits a *recovery point* with the key, so that the operation can be carried to its end by
+/// whoever holds the key next: the request itself, the client's retry, or the resumer.
+///
+/// * A [local step](Steps::local) runs in a business transaction and commits its writes **with**
+///   the key's new recovery point and the step's output (the journal). The write is fenced by the
+///   lease token: a worker whose key was claimed by someone else rolls its step back
+///   ([`StepError::LeaseLost`]).
+/// * An [outside call](Steps::call) gets a provider key derived from our key and the step's name
+///   ([`provider_key`]), so calling again is safe. When the answer is lost, the provider is asked
+///   with the same key ([`Lookup`]): *done* continues, *not done* calls again, *unknown* leaves the
+///   key pending for the resumer ([`StepError::Pending`]). A provider **without** keys
+///   ([`Steps::call_unkeyed`]) is marked as started before the call; an unknown outcome, or a
+///   resumed operation that finds the mark, parks the key as *needs review*.
+/// * The operation ends with [`Steps::finish`] (its last local writes and the key's completion
+///   with the response, in one transaction) or [`Steps::fail`] (compensating writes and a
+///   definitive failure response, stored and replayed).
+///
+/// Completed steps are never run again: a resumed operation re-runs the same function, and each
+/// step already in the journal returns its recorded output instead of running.
+///
+/// The request is stored with the key (canonical JSON, at most [`MAX_STORED_REQUEST`] bytes) by the
+/// first step that writes, and cleared when the key completes. A pending key without a stored
+/// request has therefore made no outside call, and may be released.
 pub struct Steps<S: Store> {
     lease: Lease<S>,
     policy: StepPolicy,

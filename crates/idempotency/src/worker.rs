@@ -1,29 +1,4 @@
 //! [`MaintenanceWorker`]: the one background task a service starts to keep its keys healthy.
-//!
-//! Every pass it
-//! 1. **resumes** keys whose holder went away ([`Recovery`]): durable operations continue from
-//!    their recovery point, abandoned local keys are released, other external keys go to the
-//!    resolver or are parked;
-//! 2. **purges** expired keys in bounded batches (at most [`with_purge_batches`] batches of
-//!    [`with_purge_batch`] rows per pass, so a backlog never makes one pass long);
-//! 3. logs what it did at `debug` (and the table's statistics, when `debug` is enabled), never at
-//!    `info` on a quiet pass.
-//!
-//! ```no_run
-//! # #[cfg(feature = "sqlite")]
-//! # async fn demo() -> Result<(), idempotency::StoreError> {
-//! use idempotency::{store::{sqlite::SqliteStore, Store}, worker::MaintenanceWorker};
-//! let store = SqliteStore::connect("sqlite://shop.db").await?;
-//! store.migrate().await?;
-//! let worker = MaintenanceWorker::new(store).spawn();
-//! // … serve …
-//! let report = worker.shutdown().await;
-//! println!("{report}");
-//! # Ok(()) }
-//! ```
-//!
-//! [`with_purge_batches`]: MaintenanceWorker::with_purge_batches
-//! [`with_purge_batch`]: MaintenanceWorker::with_purge_batch
 
 use crate::{
     operation::Operations,
@@ -37,11 +12,12 @@ use tokio::{sync::oneshot, task::JoinHandle};
 /// What a worker did over its life.
 ///
 /// ```
-/// use idempotency::worker::WorkerReport;
+/// use idempotency::WorkerReport;
 /// let report = WorkerReport::default();
 /// assert_eq!(report.to_string(), "passes 0, failed passes 0, purged 0; released 0, completed 0, failed 0, parked 0, unknown 0, skipped 0");
 /// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct WorkerReport {
     /// Passes run.
     pub passes: u64,
@@ -63,7 +39,32 @@ impl fmt::Display for WorkerReport {
     }
 }
 
-/// Resumes, recovers and purges keys in one background task. See the [module](self).
+/// [`MaintenanceWorker`]: the one background task a service starts to keep its keys healthy.
+///
+/// Every pass it
+/// 1. **resumes** keys whose holder went away ([`Recovery`]): durable operations continue from
+///    their recovery point, abandoned local keys are released, other external keys go to the
+///    resolver or are parked;
+/// 2. **purges** expired keys in bounded batches (at most [`with_purge_batches`] batches of
+///    [`with_purge_batch`] rows per pass, so a backlog never makes one pass long);
+/// 3. logs what it did at `debug` (and the table's statistics, when `debug` is enabled), never at
+///    `info` on a quiet pass.
+///
+/// ```no_run
+/// # #[cfg(feature = "sqlite")]
+/// # async fn demo() -> Result<(), idempotency::StoreError> {
+/// use idempotency::{SqliteStore, Store, MaintenanceWorker};
+/// let store = SqliteStore::connect("sqlite://shop.db").await?;
+/// store.migrate().await?;
+/// let worker = MaintenanceWorker::new(store).spawn();
+/// // … serve …
+/// let report = worker.shutdown().await;
+/// println!("{report}");
+/// # Ok(()) }
+/// ```
+///
+/// [`with_purge_batches`]: MaintenanceWorker::with_purge_batches
+/// [`with_purge_batch`]: MaintenanceWorker::with_purge_batch
 #[derive(Debug, Clone)]
 pub struct MaintenanceWorker<S: Maintenance, R = NoResolver> {
     recovery: Recovery<S, R>,

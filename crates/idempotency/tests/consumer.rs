@@ -1,4 +1,4 @@
-//! Queue consumers (`idempotency::consumer`) on PostgreSQL, SQLite and MySQL/MariaDB: the same
+//! Queue consumers (`idempotency::Consumer`) on PostgreSQL, SQLite and MySQL/MariaDB: the same
 //! message delivered to many consumers at once takes effect once, another payload under a used id
 //! is dead-lettered and never applied, failures release the key and are counted, and a poison
 //! message ends in the dead-letter queue.
@@ -8,10 +8,8 @@ mod common;
 use common::{unique, Harness};
 use futures_util::future::{join_all, BoxFuture};
 use idempotency::{
-    consumer::{Consumer, DeadLetter, Decision, FailureKind, Message},
-    operation::Operation,
-    steps::{CallError, Finished, StepError, Steps},
-    Idempotency, KeyState,
+    CallError, Consumer, DeadLetter, Decision, FailureKind, Finished, Idempotency, KeyState,
+    Message, Operation, StepError, Steps,
 };
 use serde::{Deserialize, Serialize};
 use serde_json::json;

@@ -5,7 +5,7 @@
 mod common;
 
 use common::{attempt, purchase, unique, Harness};
-use idempotency::{store::postgres::PgStore, Error, Idempotency, KeyState, Outcome, Store};
+use idempotency::{Error, Idempotency, KeyState, Outcome, PgStore, Store};
 use serde_json::json;
 use test_support::proxy::FaultProxy;
 
@@ -50,7 +50,7 @@ async fn a_lost_commit_acknowledgement_keeps_the_completed_key() {
 
         // The commit happened: the key is completed (not released) with the business write.
         let row = direct
-            .find(&a.key)
+            .find(a.key())
             .await
             .unwrap()
             .expect("the key was kept");

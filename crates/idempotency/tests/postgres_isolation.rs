@@ -5,7 +5,7 @@
 mod common;
 
 use common::Harness;
-use idempotency::store::{postgres::PgStore, Store};
+use idempotency::{PgStore, Store};
 
 async fn store_with_default_isolation(level: &str) -> Option<PgStore> {
     let store = <PgStore as Harness>::open().await?;

@@ -27,7 +27,7 @@ async fn replay_returns_the_stored_result<S: Harness>(store: S) {
     assert_eq!(again, Outcome::Replayed(json!({"trial": trial, "n": 1})));
     // Same request with keys in another order and other whitespace is the same request.
     let reordered = Attempt::new(
-        a.key.clone(),
+        a.key().clone(),
         Fingerprint::of_json_bytes(b"{ \"quantity\": 1, \"sku\": \"tea\" }").unwrap(),
     );
     assert!(purchase(&idem, &reordered, &trial, 3)
@@ -108,7 +108,7 @@ async fn a_failing_operation_releases_the_key<S: Harness>(store: S) {
         "the failed work was rolled back"
     );
     assert!(
-        store.find(&a.key).await.unwrap().is_none(),
+        store.find(a.key()).await.unwrap().is_none(),
         "the key was released"
     );
     let retry = purchase(&idem, &a, &trial, 2).await.unwrap();
@@ -135,7 +135,7 @@ async fn a_panicking_operation_releases_the_key<S: Harness>(store: S) {
     .await;
     assert!(joined.unwrap_err().is_panic());
     assert!(
-        store.find(&a.key).await.unwrap().is_none(),
+        store.find(a.key()).await.unwrap().is_none(),
         "the key was released"
     );
     assert_eq!(store.count_effects(&trial).await, 0);
@@ -160,13 +160,13 @@ async fn a_cancelled_operation_releases_the_key<S: Harness>(store: S) {
     });
     started.await.unwrap();
     assert_eq!(
-        store.find(&a.key).await.unwrap().map(|r| r.state),
+        store.find(a.key()).await.unwrap().map(|r| r.state),
         Some(KeyState::Pending)
     );
     task.abort(); // the client went away: the future is dropped mid-work
     assert!(task.await.unwrap_err().is_cancelled());
     let released = wait_until(Duration::from_secs(10), || async {
-        store.find(&a.key).await.unwrap().is_none()
+        store.find(a.key()).await.unwrap().is_none()
     })
     .await;
     assert!(
@@ -182,11 +182,11 @@ async fn a_completed_key_is_never_released<S: Harness>(store: S) {
     let trial = unique("kept");
     let a = attempt("user-1", &trial, json!({}));
     purchase(&idem, &a, &trial, 1).await.unwrap();
-    let row = store.find(&a.key).await.unwrap().unwrap();
+    let row = store.find(a.key()).await.unwrap().unwrap();
     assert_eq!(row.state, KeyState::Completed);
     // Even with the right token (as after a lost COMMIT acknowledgement), release is a no-op.
-    assert!(!store.release(&a.key, row.lease_token).await.unwrap());
-    let row = store.find(&a.key).await.unwrap().unwrap();
+    assert!(!store.release(a.key(), row.lease_token).await.unwrap());
+    let row = store.find(a.key()).await.unwrap().unwrap();
     assert_eq!(row.state, KeyState::Completed);
     assert!(purchase(&idem, &a, &trial, 2).await.unwrap().is_replayed());
 }
@@ -287,7 +287,7 @@ async fn an_external_operation_is_not_taken_over<S: Harness>(store: S) {
     assert!(matches!(err, Error::InProgress { .. }), "{err:?}");
     assert_eq!(store.count_effects(&trial).await, 0);
     std::mem::forget(lease_held); // the worker "died": no release
-    let row = store.find(&a.key).await.unwrap().unwrap();
+    let row = store.find(a.key()).await.unwrap().unwrap();
     assert_eq!(row.state, KeyState::Pending);
     assert!(row.lease_expired());
 }
@@ -314,7 +314,7 @@ async fn abandoned_external_work_stays_pending<S: Harness>(store: S) {
     task.abort();
     assert!(task.await.unwrap_err().is_cancelled());
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let row = store.find(&a.key).await.unwrap().expect("not released");
+    let row = store.find(a.key()).await.unwrap().expect("not released");
     assert_eq!(row.state, KeyState::Pending);
 
     let b =
@@ -327,7 +327,7 @@ async fn abandoned_external_work_stays_pending<S: Harness>(store: S) {
     })
     .await;
     assert!(joined.unwrap_err().is_panic());
-    let row = store.find(&b.key).await.unwrap().expect("not released");
+    let row = store.find(b.key()).await.unwrap().expect("not released");
     assert_eq!(row.state, KeyState::Pending);
 }
 
@@ -338,7 +338,7 @@ async fn an_expired_key_runs_anew<S: Harness>(store: S) {
     purchase(&idem, &a, &trial, 1).await.unwrap();
     assert!(purchase(&idem, &a, &trial, 2).await.unwrap().is_replayed());
     tokio::time::sleep(Duration::from_millis(400)).await;
-    assert!(store.find(&a.key).await.unwrap().unwrap().expired);
+    assert!(store.find(a.key()).await.unwrap().unwrap().expired);
     // Past retention the key is as good as new, even for another payload.
     let b = attempt("user-1", &trial, json!({"v": 2}));
     assert_eq!(
@@ -386,7 +386,7 @@ async fn an_unknown_external_outcome_parks_the_key<S: Harness>(store: S) {
         .await
         .unwrap_err();
     assert!(matches!(err, Error::Operation(_)));
-    let row = store.find(&a.key).await.unwrap().unwrap();
+    let row = store.find(a.key()).await.unwrap().unwrap();
     assert_eq!(row.state, KeyState::NeedsReview);
     assert_eq!(
         row.reason.as_deref(),
@@ -417,7 +417,7 @@ async fn the_replay_read_answers_only_completed_matching_rows<S: Harness>(store:
     let a = attempt("user-1", &trial, json!({"v": 1}));
     let other = attempt("user-1", &trial, json!({"v": 2}));
     assert_eq!(
-        store.find_replay(&a.key, &a.fingerprint).await.unwrap(),
+        store.find_replay(a.key(), a.fingerprint()).await.unwrap(),
         None
     );
     // Pending: nothing to replay yet.
@@ -425,19 +425,19 @@ async fn the_replay_read_answers_only_completed_matching_rows<S: Harness>(store:
         panic!("a new key must be acquired");
     };
     assert_eq!(
-        store.find_replay(&a.key, &a.fingerprint).await.unwrap(),
+        store.find_replay(a.key(), a.fingerprint()).await.unwrap(),
         None
     );
     let tx = store.begin().await.unwrap();
     lease.finish(tx, b"stored").await.unwrap();
     assert_eq!(
-        store.find_replay(&a.key, &a.fingerprint).await.unwrap(),
+        store.find_replay(a.key(), a.fingerprint()).await.unwrap(),
         Some(b"stored".to_vec())
     );
     // Another request under the key, or another scope, reads nothing.
     assert_eq!(
         store
-            .find_replay(&other.key, &other.fingerprint)
+            .find_replay(other.key(), other.fingerprint())
             .await
             .unwrap(),
         None
@@ -445,7 +445,7 @@ async fn the_replay_read_answers_only_completed_matching_rows<S: Harness>(store:
     let elsewhere = attempt("user-2", &trial, json!({"v": 1}));
     assert_eq!(
         store
-            .find_replay(&elsewhere.key, &elsewhere.fingerprint)
+            .find_replay(elsewhere.key(), elsewhere.fingerprint())
             .await
             .unwrap(),
         None
@@ -453,7 +453,7 @@ async fn the_replay_read_answers_only_completed_matching_rows<S: Harness>(store:
     // Past retention (by the database clock) the row is not replayed.
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(
-        store.find_replay(&a.key, &a.fingerprint).await.unwrap(),
+        store.find_replay(a.key(), a.fingerprint()).await.unwrap(),
         None
     );
 }
@@ -538,7 +538,7 @@ async fn a_cancelled_reservation_leaves_no_pending_key<S: Harness>(store: S) {
             Ok(Ok(_)) => panic!("a new key cannot be completed"),
             Ok(Err(error)) => panic!("a new key must be acquired, got {error:?}"),
         }
-        keys.push(a.key);
+        keys.push(a.into_key());
     }
     assert!(cut > 0, "no reservation was cut; the test proves nothing");
     let mut left = keys.len();

@@ -4,9 +4,8 @@ mod common;
 
 use common::{attempt, purchase, unique, wait_until, Harness};
 use idempotency::{
-    recovery::{resolve, ProviderAnswer, Recovery, ResolveError, Resolver},
-    store::{Maintenance, Resolution},
-    Attempt, Effects, Error, Idempotency, KeyRecord, KeyState, Outcome, Reservation,
+    resolve, Attempt, Effects, Error, Idempotency, KeyRecord, KeyState, Maintenance, Outcome,
+    ProviderAnswer, Recovery, Reservation, Resolution, ResolveError, Resolver,
 };
 use serde_json::json;
 use std::{
@@ -45,7 +44,7 @@ async fn abandon<S: Harness + Maintenance>(store: &S, attempt: &Attempt) -> KeyR
         Reservation::Acquired(lease) => std::mem::forget(lease),
         _ => panic!("{}: fresh key was completed", S::NAME),
     }
-    let key = attempt.key.clone();
+    let key = attempt.key().clone();
     assert!(
         wait_until(Duration::from_secs(5), || {
             let (store, key) = (store.clone(), key.clone());
@@ -55,7 +54,7 @@ async fn abandon<S: Harness + Maintenance>(store: &S, attempt: &Attempt) -> KeyR
         "{}: lease never ended",
         S::NAME
     );
-    let record = store.find(&attempt.key).await.unwrap().unwrap();
+    let record = store.find(attempt.key()).await.unwrap().unwrap();
     assert_eq!(record.state, KeyState::Pending);
     record
 }
@@ -114,7 +113,7 @@ async fn abandoned_local_key_is_released<S: Harness + Maintenance>(store: S) {
     assert_eq!(report.released, 1, "{}: {report}", S::NAME);
     assert_eq!(report.acted(), 1);
     assert_eq!(resolver.calls(), 0, "local keys are never asked about");
-    assert!(store.find(&a.key).await.unwrap().is_none());
+    assert!(store.find(a.key()).await.unwrap().is_none());
     // A retry runs the work (nothing had been committed).
     let idem = Idempotency::new(store.clone());
     assert!(matches!(
@@ -137,7 +136,7 @@ async fn abandoned_external_key_completed_by_the_resolver<S: Harness + Maintenan
         .unwrap();
     assert_eq!(report.completed, 1, "{}: {report}", S::NAME);
     assert_eq!(resolver.calls(), 1);
-    let row = store.find(&a.key).await.unwrap().unwrap();
+    let row = store.find(a.key()).await.unwrap().unwrap();
     assert_eq!(row.state, KeyState::Completed);
     assert_eq!(row.result.as_deref(), Some(stored.as_slice()));
     assert!(row.reason.unwrap().contains("provider"));
@@ -163,7 +162,7 @@ async fn abandoned_external_key_failed_by_the_resolver_is_released<S: Harness + 
         .unwrap();
     assert_eq!(report.failed, 1, "{}: {report}", S::NAME);
     assert_eq!(resolver.calls(), 1);
-    assert!(store.find(&a.key).await.unwrap().is_none());
+    assert!(store.find(a.key()).await.unwrap().is_none());
     let idem = Idempotency::new(store.clone());
     assert!(matches!(
         purchase(&idem, &a, &trial, 1).await.unwrap(),
@@ -182,7 +181,7 @@ async fn unknown_answers_park_the_key_after_max_attempts<S: Harness + Maintenanc
     for pass in 1..=2u32 {
         let report = recovery.run_once().await.unwrap();
         assert_eq!(report.unknown, 1, "{}: pass {pass}: {report}", S::NAME);
-        let row = store.find(&a.key).await.unwrap().unwrap();
+        let row = store.find(a.key()).await.unwrap().unwrap();
         assert_eq!(row.state, KeyState::Pending);
         assert_eq!(row.recovery_attempts, pass);
         // Still pending and never released: a retry must not run the work.
@@ -193,7 +192,7 @@ async fn unknown_answers_park_the_key_after_max_attempts<S: Harness + Maintenanc
     let report = recovery.run_once().await.unwrap();
     assert_eq!(report.parked, 1, "{}: {report}", S::NAME);
     assert_eq!(resolver.calls(), 3);
-    let row = store.find(&a.key).await.unwrap().unwrap();
+    let row = store.find(a.key()).await.unwrap().unwrap();
     assert_eq!(row.state, KeyState::NeedsReview);
     assert!(row.reason.unwrap().contains("unknown 3 times"));
     // Parked keys are left alone by later passes and refuse retries.
@@ -218,10 +217,10 @@ async fn without_resolver_external_keys_are_parked<S: Harness + Maintenance>(sto
         "{}: {report}",
         S::NAME
     );
-    let row = store.find(&ext.key).await.unwrap().unwrap();
+    let row = store.find(ext.key()).await.unwrap().unwrap();
     assert_eq!(row.state, KeyState::NeedsReview);
     assert!(row.reason.unwrap().contains("no resolver"));
-    assert!(store.find(&local.key).await.unwrap().is_none());
+    assert!(store.find(local.key()).await.unwrap().is_none());
     // Parked is final until a human decides: more passes change nothing.
     for _ in 0..3 {
         assert_eq!(
@@ -230,7 +229,7 @@ async fn without_resolver_external_keys_are_parked<S: Harness + Maintenance>(sto
         );
     }
     assert_eq!(
-        store.find(&ext.key).await.unwrap().unwrap().state,
+        store.find(ext.key()).await.unwrap().unwrap().state,
         KeyState::NeedsReview
     );
 }
@@ -297,8 +296,8 @@ async fn racing_recovery_workers_never_double_act<S: Harness + Maintenance>(stor
                     panic!("fresh key")
                 };
                 std::mem::forget(lease);
-                if a.effects == Effects::External {
-                    externals.push(a.key.clone());
+                if a.effects() == Effects::External {
+                    externals.push(a.key().clone());
                 }
             }
         }
@@ -324,7 +323,7 @@ async fn racing_recovery_workers_never_double_act<S: Harness + Maintenance>(stor
                 })
             })
             .collect();
-        let mut total = idempotency::recovery::RecoveryReport::default();
+        let mut total = idempotency::RecoveryReport::default();
         for worker in workers {
             total.add(&worker.await.unwrap());
         }
@@ -375,11 +374,11 @@ async fn resolve_settles_parked_keys_and_keeps_the_reason<S: Harness + Maintenan
     );
 
     // A reason is required, and the key must exist and be parked.
-    let err = resolve(&store, &done.key, &Resolution::Failed, "  ", retention)
+    let err = resolve(&store, done.key(), &Resolution::Failed, "  ", retention)
         .await
         .unwrap_err();
     assert!(matches!(err, ResolveError::EmptyReason), "{err:?}");
-    let missing = external("user-1", &format!("{trial}-missing")).key;
+    let missing = external("user-1", &format!("{trial}-missing")).into_key();
     let err = resolve(&store, &missing, &Resolution::Failed, "x", retention)
         .await
         .unwrap_err();
@@ -388,7 +387,7 @@ async fn resolve_settles_parked_keys_and_keeps_the_reason<S: Harness + Maintenan
     let bytes = serde_json::to_vec(&json!({"charge": "ch_9"})).unwrap();
     let row = resolve(
         &store,
-        &done.key,
+        done.key(),
         &Resolution::Completed(bytes.clone()),
         "provider dashboard shows ch_9",
         retention,
@@ -405,7 +404,7 @@ async fn resolve_settles_parked_keys_and_keeps_the_reason<S: Harness + Maintenan
         Outcome::Replayed(json!({"charge": "ch_9"}))
     );
     // Only parked keys: a second resolution is refused.
-    let err = resolve(&store, &done.key, &Resolution::Failed, "oops", retention)
+    let err = resolve(&store, done.key(), &Resolution::Failed, "oops", retention)
         .await
         .unwrap_err();
     assert!(
@@ -421,7 +420,7 @@ async fn resolve_settles_parked_keys_and_keeps_the_reason<S: Harness + Maintenan
 
     let row = resolve(
         &store,
-        &failed.key,
+        failed.key(),
         &Resolution::Failed,
         "no charge at the provider",
         retention,
@@ -452,7 +451,7 @@ async fn racing_resolutions_only_one_wins<S: Harness + Maintenance>(store: S) {
             panic!("fresh key")
         };
         assert!(lease.park("timeout at provider").await.unwrap());
-        keys.push(a.key);
+        keys.push(a.into_key());
     }
     for key in keys {
         let barrier = Arc::new(tokio::sync::Barrier::new(4));
@@ -507,7 +506,7 @@ async fn recovery_loop_stops_on_shutdown<S: Harness + Maintenance>(store: S) {
     });
     assert!(
         wait_until(Duration::from_secs(5), || {
-            let (store, key) = (store.clone(), a.key.clone());
+            let (store, key) = (store.clone(), a.key().clone());
             async move { store.find(&key).await.unwrap().is_none() }
         })
         .await,
@@ -524,7 +523,7 @@ async fn recovery_loop_stops_on_shutdown<S: Harness + Maintenance>(store: S) {
 }
 
 async fn list_and_stats_see_the_table<S: Harness + Maintenance>(store: S) {
-    use idempotency::store::KeyFilter;
+    use idempotency::KeyFilter;
     let trial = unique("list");
     let idem = Idempotency::new(store.clone());
     purchase(
@@ -607,7 +606,7 @@ async fn late_original_racing_recovery_never_both_act<S: Harness + Maintenance>(
         S::insert_effect(&mut tx, &name).await.unwrap();
         assert!(
             wait_until(Duration::from_secs(5), || {
-                let (store, key) = (store.clone(), a.key.clone());
+                let (store, key) = (store.clone(), a.key().clone());
                 async move { store.find(&key).await.unwrap().unwrap().lease_expired() }
             })
             .await
@@ -630,7 +629,7 @@ async fn late_original_racing_recovery_never_both_act<S: Harness + Maintenance>(
         };
         let finished = original.await.unwrap();
         let report = recovery.await.unwrap();
-        let row = store.find(&a.key).await.unwrap();
+        let row = store.find(a.key()).await.unwrap();
         let effects_kept = store.count_effects(&name).await;
         match finished {
             Ok(()) => {
@@ -656,6 +655,7 @@ async fn late_original_racing_recovery_never_both_act<S: Harness + Maintenance>(
                         row.unwrap().result.as_deref(),
                         Some(&b"{\"by\":\"provider\"}"[..])
                     ),
+                    other => panic!("untested effects {other:?}"),
                 }
             }
             Err(other) => panic!("{}: {trial}: {other:?}", S::NAME),
@@ -694,7 +694,7 @@ async fn a_hanging_or_panicking_resolver_counts_as_unknown<S: Harness + Maintena
             .await
             .unwrap();
         assert_eq!(report.unknown, 1, "{}: panics {panics}: {report}", S::NAME);
-        let row = store.find(&a.key).await.unwrap().unwrap();
+        let row = store.find(a.key()).await.unwrap().unwrap();
         assert_eq!((row.state, row.recovery_attempts), (KeyState::Pending, 1));
         // Settle it so the next round sees only its own key.
         assert_eq!(

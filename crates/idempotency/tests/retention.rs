@@ -5,9 +5,7 @@ mod common;
 
 use common::{attempt, purchase, unique, Harness};
 use idempotency::{
-    retention::Purge,
-    store::{mysql::MySqlStore, postgres::PgStore, sqlite::SqliteStore, Maintenance},
-    Idempotency, KeyState, Outcome,
+    Idempotency, KeyState, Maintenance, MySqlStore, Outcome, PgStore, Purge, SqliteStore,
 };
 use serde_json::json;
 use std::{

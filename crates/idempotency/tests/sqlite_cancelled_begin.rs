@@ -4,7 +4,7 @@
 //! runs fail without the fix under two busy loops); the store begins in a task of its own, so a
 //! cancelled caller cannot strand a transaction.
 
-use idempotency::store::{sqlite::SqliteStore, Store};
+use idempotency::{SqliteStore, Store};
 use std::time::Duration;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

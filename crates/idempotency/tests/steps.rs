@@ -12,15 +12,10 @@ mod common;
 
 use common::{unique, wait_until, Harness};
 use idempotency::{
-    fingerprint::canonical_json,
-    operation::{Operation, Operations},
-    recovery::{Recovery, RecoveryReport},
-    steps::{
-        provider_key, CallError, Finished, Lookup, StepError, StepPolicy, Steps, MAX_STORED_REQUEST,
-    },
-    store::Maintenance,
-    worker::MaintenanceWorker,
-    Error, Idempotency, IdempotencyKey, KeyRecord, KeyState, Outcome, PerformError, Store,
+    canonical_json, provider_key, CallError, Error, Finished, Idempotency, IdempotencyKey,
+    KeyRecord, KeyState, Lookup, Maintenance, MaintenanceWorker, Operation, Operations, Outcome,
+    PerformError, Recovery, RecoveryReport, StepError, StepPolicy, Steps, Store,
+    MAX_STORED_REQUEST,
 };
 use serde::{Deserialize, Serialize};
 use std::{
@@ -703,9 +698,10 @@ async fn resumes_from_every_recovery_point<S: Harness + Maintenance>(store: S) {
             let report = recovery.run_once().await.unwrap();
             if point == Point::Start {
                 // Nothing recorded: no outside call was made, so the key is released.
-                let released = RecoveryReport {
-                    released: 1,
-                    ..RecoveryReport::default()
+                let released = {
+                    let mut expected = RecoveryReport::default();
+                    expected.released = 1;
+                    expected
                 };
                 assert_eq!(report, released, "{context}: {report}");
                 assert!(store.find(&key).await.unwrap().is_none(), "{context}");
@@ -721,9 +717,10 @@ async fn resumes_from_every_recovery_point<S: Harness + Maintenance>(store: S) {
                 assert_eq!(again, Outcome::Executed(receipt), "{context}");
                 continue;
             }
-            let completed = RecoveryReport {
-                completed: 1,
-                ..RecoveryReport::default()
+            let completed = {
+                let mut expected = RecoveryReport::default();
+                expected.completed = 1;
+                expected
             };
             assert_eq!(report, completed, "{context}: {report}");
             let receipt = assert_charged_once(&store, &provider, &key, &trial, &context).await;
@@ -1036,9 +1033,10 @@ async fn unknown_outcomes_end_in_review_never_in_a_release<S: Harness + Maintena
     // The second unknown: still pending.
     wait_lease_end(&store, &key).await;
     let report = recovery.run_once().await.unwrap();
-    let unknown = RecoveryReport {
-        unknown: 1,
-        ..RecoveryReport::default()
+    let unknown = {
+        let mut expected = RecoveryReport::default();
+        expected.unknown = 1;
+        expected
     };
     assert_eq!(report, unknown, "{}: {report}", S::NAME);
     let row = store
@@ -1051,9 +1049,10 @@ async fn unknown_outcomes_end_in_review_never_in_a_release<S: Harness + Maintena
     // The third: parked.
     wait_lease_end(&store, &key).await;
     let report = recovery.run_once().await.unwrap();
-    let parked = RecoveryReport {
-        parked: 1,
-        ..RecoveryReport::default()
+    let parked = {
+        let mut expected = RecoveryReport::default();
+        expected.parked = 1;
+        expected
     };
     assert_eq!(report, parked, "{}: {report}", S::NAME);
     let row = store
@@ -1149,9 +1148,10 @@ async fn a_declined_call_settles_as_a_stored_failure<S: Harness + Maintenance>(s
         .run_once()
         .await
         .unwrap();
-    let failed = RecoveryReport {
-        failed: 1,
-        ..RecoveryReport::default()
+    let failed = {
+        let mut expected = RecoveryReport::default();
+        expected.failed = 1;
+        expected
     };
     assert_eq!(report, failed, "{}: {report}", S::NAME);
     let refusal = Receipt::declined(&trial, 4300, "insufficient funds");

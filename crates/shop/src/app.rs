@@ -19,9 +19,7 @@ use axum::{
     Router,
 };
 use idempotency::{
-    store::{postgres::PgStore, sqlite::SqliteStore},
-    worker::{MaintenanceWorker, WorkerHandle},
-    Effects, Idempotency, Operations,
+    Effects, Idempotency, MaintenanceWorker, Operations, PgStore, SqliteStore, WorkerHandle,
 };
 use std::{net::SocketAddr, sync::Arc, time::Duration};
 use tower_http::catch_panic::CatchPanicLayer;

@@ -5,7 +5,7 @@
 //! [`on_conn!`](crate::on_conn) macro expands one statement for each backend.
 
 use anyhow::{bail, Context};
-use idempotency::store::{postgres::PgStore, sqlite::SqliteStore, Store};
+use idempotency::{PgStore, SqliteStore, Store};
 use sqlx::{
     postgres::PgPoolOptions,
     sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous},

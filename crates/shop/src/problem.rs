@@ -16,7 +16,7 @@ use serde_json::{json, Map, Value};
 pub const PROBLEM_JSON: &str = "application/problem+json";
 
 /// The base of the shop's problem `type` URIs (the middleware's own problems are
-/// [`idempotency_http::problem::types`], under `https://idempotency.dev/problems/`).
+/// [`idempotency_http::problem_types`], under `https://idempotency.dev/problems/`).
 ///
 /// ```
 /// assert_eq!(shop::problem::TYPE_BASE, "https://idempotency.dev/problems/shop/");

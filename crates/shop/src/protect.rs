@@ -37,7 +37,7 @@ pub struct KeyedRoute {
 /// authenticated user, the shop's body limit, and only 2xx answers stored by default.
 ///
 /// ```no_run
-/// # async fn demo(store: idempotency::store::sqlite::SqliteStore) {
+/// # async fn demo(store: idempotency::SqliteStore) {
 /// use shop::{app::PURCHASE, protect::layer};
 /// let layer = layer(idempotency::Idempotency::new(store), PURCHASE);
 /// # }

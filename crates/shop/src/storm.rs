@@ -33,7 +33,7 @@ use crate::{
 };
 use anyhow::{bail, Context};
 use futures_util::future::join_all;
-use idempotency::{steps::provider_key, IdempotencyKey};
+use idempotency::{provider_key, IdempotencyKey};
 use idempotency_http::StoredResponse;
 use indicatif::{ProgressBar, ProgressStyle};
 use rand::Rng;

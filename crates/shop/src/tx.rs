@@ -17,7 +17,7 @@ use axum::{
     middleware::Next,
     response::{IntoResponse, Response},
 };
-use idempotency::store::{postgres::PgStore, sqlite::SqliteStore};
+use idempotency::{PgStore, SqliteStore};
 use idempotency_http::{Disposition, IdempotentTx, KeyLease};
 use sqlx::{Postgres, Sqlite};
 use std::sync::{Arc, Mutex};

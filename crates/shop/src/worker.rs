@@ -14,7 +14,7 @@ use crate::{
     providers::Faults,
 };
 use anyhow::Context;
-use idempotency::{consumer::DeadLetter, Consumer, Decision, Idempotency};
+use idempotency::{Consumer, DeadLetter, Decision, Idempotency};
 use idempotency_amqp::{AmqpConsumer, Incoming, Topology};
 use lapin::{Connection, ConnectionProperties};
 use std::{sync::Arc, time::Duration};

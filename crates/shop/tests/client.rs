@@ -4,7 +4,7 @@
 
 mod common;
 
-use idempotency::{steps::provider_key, IdempotencyKey};
+use idempotency::{provider_key, IdempotencyKey};
 use idempotency_client::{IdempotencyMiddleware, Outcome, Probe, RequestKey, RetryPolicy};
 use serde_json::{json, Value};
 use shop::app::START_BALANCE_CENTS;

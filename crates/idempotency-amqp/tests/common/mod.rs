@@ -5,7 +5,7 @@
 //! where they fail; with it set, an unreachable broker fails them. `. .ci/rabbitmq.sh` starts one.
 #![allow(dead_code)]
 
-use idempotency::store::{postgres::PgStore, sqlite::SqliteStore, Store};
+use idempotency::{PgStore, SqliteStore, Store};
 use lapin::{
     options::{
         BasicPublishOptions, ConfirmSelectOptions, ExchangeDeleteOptions, QueueDeclareOptions,

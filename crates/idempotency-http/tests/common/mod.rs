@@ -10,10 +10,7 @@ use axum::{
     Json, Router,
 };
 use futures_util::future::BoxFuture;
-use idempotency::{
-    store::{mysql::MySqlStore, postgres::PgStore, sqlite::SqliteStore, Store},
-    Idempotency,
-};
+use idempotency::{Idempotency, MySqlStore, PgStore, SqliteStore, Store};
 use idempotency_http::{Disposition, IdempotencyLayer, IdempotentTx, KeyRequirement};
 use sqlx::{MySql, MySqlPool, PgPool, Postgres, Sqlite, SqlitePool};
 use std::time::Duration;

@@ -23,8 +23,8 @@
 
 use futures_util::future::BoxFuture;
 use idempotency::{
-    store::{mysql::MySqlStore, postgres::PgStore, sqlite::SqliteStore, Store},
-    Attempt, Error, Fingerprint, Idempotency, IdempotencyKey, StoreError,
+    Attempt, Error, Fingerprint, Idempotency, IdempotencyKey, MySqlStore, PgStore, SqliteStore,
+    Store, StoreError,
 };
 use sqlx::{Connection, Executor};
 use std::{

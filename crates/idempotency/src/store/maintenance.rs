@@ -1,22 +1,4 @@
 //! The statements of the operator side: recovery of abandoned keys, retention purge, listing,
-//! resolution of parked keys and statistics.
-//!
-//! [`Maintenance`] extends [`Store`] and follows its rules: every method that changes a row is a
-//! single conditional statement (on the lease token, or on the state), so two recovery workers, a
-//! recovery worker and a late original worker, or two operators never both act on one key. Every
-//! time comparison uses the database's clock (`now()`), never the caller's.
-//!
-//! ```no_run
-//! # #[cfg(feature = "sqlite")]
-//! # async fn demo() -> Result<(), idempotency::StoreError> {
-//! use idempotency::store::{sqlite::SqliteStore, Maintenance, Store};
-//! let store = SqliteStore::connect("sqlite://keys.db?mode=rwc").await?;
-//! store.migrate().await?;
-//! for record in store.expired_leases(100).await? {
-//!     println!("{} was abandoned {} times", record.key, record.recovery_attempts);
-//! }
-//! # Ok(()) }
-//! ```
 
 use super::{KeyRecord, KeyState, LeaseToken, Store};
 use crate::{error::StoreError, IdempotencyKey};
@@ -26,7 +8,7 @@ use std::{future::Future, time::Duration};
 /// "any".
 ///
 /// ```
-/// use idempotency::store::{KeyFilter, KeyState};
+/// use idempotency::{KeyFilter, KeyState};
 /// use std::time::Duration;
 /// let filter = KeyFilter {
 ///     state: Some(KeyState::NeedsReview),
@@ -64,7 +46,7 @@ impl Default for KeyFilter {
 /// An operator's decision about a parked (`needs_review`) key.
 ///
 /// ```
-/// use idempotency::store::Resolution;
+/// use idempotency::Resolution;
 /// let done = Resolution::Completed(br#"{"order":7}"#.to_vec());
 /// assert_eq!(done.state().as_str(), "completed");
 /// assert_eq!(Resolution::Failed.state().as_str(), "failed");
@@ -92,7 +74,7 @@ impl Resolution {
 /// How many rows one operation has in one state.
 ///
 /// ```
-/// use idempotency::store::{KeyState, StateCount};
+/// use idempotency::{KeyState, StateCount};
 /// let count = StateCount { operation: "purchase".into(), state: KeyState::Pending, count: 3 };
 /// assert_eq!(count.count, 3);
 /// ```
@@ -109,7 +91,7 @@ pub struct StateCount {
 /// A snapshot of the key table, for `idem stats` and monitoring.
 ///
 /// ```
-/// use idempotency::store::KeyStats;
+/// use idempotency::KeyStats;
 /// let stats = KeyStats::default();
 /// assert_eq!(stats.total(), 0);
 /// assert!(stats.oldest_pending_age.is_none());
@@ -154,14 +136,34 @@ impl KeyStats {
 ///
 /// ```no_run
 /// # #[cfg(feature = "postgres")]
-/// # async fn demo(store: idempotency::store::postgres::PgStore) -> Result<(), idempotency::StoreError> {
-/// use idempotency::store::{LeaseToken, Maintenance, Store};
+/// # async fn demo(store: idempotency::PgStore) -> Result<(), idempotency::StoreError> {
+/// use idempotency::{LeaseToken, Maintenance, Store};
 /// use std::time::Duration;
 /// for stale in store.expired_leases(10).await? {
 ///     let mine = LeaseToken::new();
 ///     if store.claim_for_recovery(&stale.key, stale.lease_token, mine, Duration::from_secs(60)).await? {
 ///         store.park(&stale.key, mine, "checked by hand").await?;
 ///     }
+/// }
+/// # Ok(()) }
+/// ```
+///
+/// The statements of the operator side: recovery of abandoned keys, retention purge, listing,
+/// resolution of parked keys and statistics.
+///
+/// [`Maintenance`] extends [`Store`] and follows its rules: every method that changes a row is a
+/// single conditional statement (on the lease token, or on the state), so two recovery workers, a
+/// recovery worker and a late original worker, or two operators never both act on one key. Every
+/// time comparison uses the database's clock (`now()`), never the caller's.
+///
+/// ```no_run
+/// # #[cfg(feature = "sqlite")]
+/// # async fn demo() -> Result<(), idempotency::StoreError> {
+/// use idempotency::{SqliteStore, Maintenance, Store};
+/// let store = SqliteStore::connect("sqlite://keys.db?mode=rwc").await?;
+/// store.migrate().await?;
+/// for record in store.expired_leases(100).await? {
+///     println!("{} was abandoned {} times", record.key, record.recovery_attempts);
 /// }
 /// # Ok(()) }
 /// ```

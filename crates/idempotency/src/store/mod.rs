@@ -4,17 +4,20 @@
 //! that changes a row is *conditional*: it names the lease token it expects, so a stale worker, a
 //! recovery job and a retry can never both act on one key.
 
-pub mod maintenance;
+mod maintenance;
+#[cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql"))]
+mod migration;
 #[cfg(feature = "mysql")]
 #[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
-pub mod mysql;
+pub(crate) mod mysql;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
-pub mod postgres;
+pub(crate) mod postgres;
+#[cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql"))]
 mod row;
 #[cfg(feature = "sqlite")]
 #[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
-pub mod sqlite;
+pub(crate) mod sqlite;
 
 pub use maintenance::{KeyFilter, KeyStats, Maintenance, Resolution, StateCount};
 
@@ -88,6 +91,7 @@ impl FromStr for KeyState {
 /// assert_eq!("external".parse::<Effects>().unwrap(), Effects::External);
 /// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum Effects {
     /// Only our database: the work commits with the key's completion or not at all, so an expired
     /// lease means nothing happened and the key can be taken over.
@@ -189,7 +193,7 @@ pub struct KeyRecord {
     pub lease_until: DateTime<Utc>,
     /// When the row may be purged.
     pub expires_at: DateTime<Utc>,
-    /// The last recovery point a durable operation reached (see [`crate::steps`]).
+    /// The last recovery point a durable operation reached (see [`Steps`](crate::Steps)).
     pub recovery_point: Option<String>,
     /// The stored request of a durable operation (canonical JSON), kept while it is unsettled so
     /// that it can be resumed without the client; cleared at completion.
@@ -218,7 +222,7 @@ impl KeyRecord {
 /// and (with the first write) the request. See [`Store::save_progress`].
 ///
 /// ```
-/// use idempotency::store::Progress;
+/// use idempotency::Progress;
 /// let progress = Progress { recovery_point: "debited", journal: br#"{"done":{}}"#, request: None };
 /// assert_eq!(progress.recovery_point, "debited");
 /// ```
@@ -305,14 +309,14 @@ pub enum Insertion {
 /// Implementations must make [`insert_pending`](Store::insert_pending) a single INSERT against the
 /// unique `(scope, operation, key)` constraint, committed on its own, whatever the isolation level
 /// of the server; and every update conditional on the lease token. See
-/// [`postgres::PgStore`](crate::store::postgres) and [`sqlite::SqliteStore`](crate::store::sqlite),
+/// `PgStore`, `SqliteStore` and `MySqlStore`,
 /// and the guide `docs/implementing-a-store.md` in the repository (the rules every method
 /// follows, and the conformance suite that proves a new store).
 ///
 /// ```no_run
 /// # #[cfg(feature = "sqlite")]
 /// # async fn demo() -> Result<(), idempotency::StoreError> {
-/// use idempotency::store::{Store, sqlite::SqliteStore};
+/// use idempotency::{Store, SqliteStore};
 /// let store = SqliteStore::connect("sqlite://keys.db?mode=rwc").await?;
 /// store.migrate().await?;
 /// # Ok(()) }
@@ -441,7 +445,7 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// ```no_run
     /// # #[cfg(feature = "sqlite")]
     /// # async fn demo(key: idempotency::IdempotencyKey, fingerprint: idempotency::Fingerprint) -> Result<(), idempotency::StoreError> {
-    /// use idempotency::store::{sqlite::SqliteStore, Awaited, Store};
+    /// use idempotency::{SqliteStore, Awaited, Store};
     /// use std::time::Duration;
     /// let store = SqliteStore::connect("sqlite://keys.db?mode=rwc").await?;
     /// match store.wait_for_completion(&key, &fingerprint, Duration::from_secs(2)).await? {
@@ -468,8 +472,8 @@ pub trait Store: Clone + Send + Sync + 'static {
     ///
     /// ```no_run
     /// # #[cfg(feature = "postgres")]
-    /// # async fn demo(store: idempotency::store::postgres::PgStore, key: idempotency::IdempotencyKey) -> Result<(), idempotency::StoreError> {
-    /// use idempotency::store::Store;
+    /// # async fn demo(store: idempotency::PgStore, key: idempotency::IdempotencyKey) -> Result<(), idempotency::StoreError> {
+    /// use idempotency::Store;
     /// store.notify_settled(&key).await?;
     /// # Ok(()) }
     /// ```
@@ -491,7 +495,7 @@ pub const POLL_MAX: Duration = Duration::from_millis(25);
 /// What [`Store::wait_for_completion`] saw.
 ///
 /// ```
-/// use idempotency::store::Awaited;
+/// use idempotency::Awaited;
 /// assert_ne!(Awaited::Completed(b"{}".to_vec()), Awaited::TimedOut);
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -578,22 +582,6 @@ pub(crate) async fn read_conflict<S: Store>(
     })
 }
 
-/// The statements of a migration file: comment lines dropped, then split on `;`. Migration files
-/// keep no `;` inside literals.
-#[allow(dead_code)]
-pub(crate) fn statements(sql: &str) -> Vec<String> {
-    let code: Vec<&str> = sql
-        .lines()
-        .filter(|line| !line.trim_start().starts_with("--"))
-        .collect();
-    code.join("\n")
-        .split(';')
-        .map(str::trim)
-        .filter(|statement| !statement.is_empty())
-        .map(str::to_owned)
-        .collect()
-}
-
 /// Begins a transaction in a task of its own, so that cancelling the caller mid-`BEGIN` cannot
 /// leave a transaction open on a pooled connection. sqlx 0.8 may acknowledge a `BEGIN` after its
 /// caller was dropped, which leaves an open transaction nobody owns (on SQLite it holds the write
@@ -613,16 +601,4 @@ where
     tokio::spawn(begin)
         .await
         .map_err(|_| StoreError::Database(sqlx::Error::WorkerCrashed))?
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn splits_statements_and_drops_comments() {
-        let sql = "-- a comment; with a semicolon\nCREATE TABLE a (x INT);\n\n-- another\nCREATE INDEX i ON a (x);\n";
-        assert_eq!(
-            super::statements(sql),
-            vec!["CREATE TABLE a (x INT)", "CREATE INDEX i ON a (x)"]
-        );
-    }
 }

@@ -1,40 +1,27 @@
 //! MySQL / MariaDB store (feature `mysql`), on InnoDB.
-//!
-//! The reservation does not rely on the isolation level: it is a plain `INSERT` under the primary
-//! key `(scope, operation, idem_key)` in autocommit, so it is committed on its own, and the
-//! primary key alone decides who holds the key. A duplicate answers with error 1062, which is
-//! taken as "conflict, read the row" (never `INSERT IGNORE`, which would also swallow other
-//! errors). Racing inserts of one new key can deadlock inside InnoDB (1213: two waiters on the
-//! same duplicate both want the insert lock after its first inserter released it) or time out
-//! waiting for a lock (1205): both are taken as a lost race, the row is read again, and the insert
-//! is retried a bounded number of times if the row is gone. A read-first fast path answers
-//! duplicates and replays without taking any lock.
-//!
-//! Keys are stored as `VARBINARY`, compared byte for byte; times are `DATETIME(6)` in UTC, always
-//! from the server's `UTC_TIMESTAMP(6)`, never from the application's clock.
 
+use super::migration::{self, Bookkeeping, Migration};
 use super::row::{uuid, KeyRow};
 use super::{millis, Insertion, KeyRecord, LeaseToken, PendingRow, Store};
 use crate::{error::StoreError, Fingerprint, IdempotencyKey};
 use sqlx::{
     mysql::{MySqlDatabaseError, MySqlRow},
-    pool::PoolConnection,
     Connection, MySql, MySqlPool, Row, Transaction,
 };
 use std::time::Duration;
 
 /// The key table's migrations, applied in order by [`Store::migrate`].
-pub const MIGRATIONS: &[(i64, &str, &str)] = &[
-    (
-        1,
-        "create idempotency_keys",
-        include_str!("../../migrations/mysql/0001_idempotency_keys.sql"),
-    ),
-    (
-        2,
-        "durable steps: recovery point, request, progress",
-        include_str!("../../migrations/mysql/0002_durable_steps.sql"),
-    ),
+pub(crate) const MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        description: "create idempotency_keys",
+        sql: include_str!("../../migrations/mysql/0001_idempotency_keys.sql"),
+    },
+    Migration {
+        version: 2,
+        description: "durable steps: recovery point, request, progress",
+        sql: include_str!("../../migrations/mysql/0002_durable_steps.sql"),
+    },
 ];
 
 /// MySQL error 1060 (`ER_DUP_FIELDNAME`): a column added by a migration exists already (the
@@ -117,7 +104,7 @@ const PARK: &str = "UPDATE idempotency_keys SET state = 'needs_review', reason =
 ///
 /// ```no_run
 /// # async fn demo() -> Result<(), idempotency::StoreError> {
-/// use idempotency::{store::{mysql::MySqlStore, Store}, Idempotency};
+/// use idempotency::{MySqlStore, Store, Idempotency};
 /// let store = MySqlStore::connect("mysql://shop:secret@127.0.0.1/shop").await?;
 /// store.migrate().await?;
 /// sqlx::query("CREATE TABLE IF NOT EXISTS orders (id BIGINT AUTO_INCREMENT PRIMARY KEY)")
@@ -126,6 +113,21 @@ const PARK: &str = "UPDATE idempotency_keys SET state = 'needs_review', reason =
 /// let idem = Idempotency::new(store);
 /// # Ok(()) }
 /// ```
+///
+/// MySQL / MariaDB store (feature `mysql`), on InnoDB.
+///
+/// The reservation does not rely on the isolation level: it is a plain `INSERT` under the primary
+/// key `(scope, operation, idem_key)` in autocommit, so it is committed on its own, and the
+/// primary key alone decides who holds the key. A duplicate answers with error 1062, which is
+/// taken as "conflict, read the row" (never `INSERT IGNORE`, which would also swallow other
+/// errors). Racing inserts of one new key can deadlock inside InnoDB (1213: two waiters on the
+/// same duplicate both want the insert lock after its first inserter released it) or time out
+/// waiting for a lock (1205): both are taken as a lost race, the row is read again, and the insert
+/// is retried a bounded number of times if the row is gone. A read-first fast path answers
+/// duplicates and replays without taking any lock.
+///
+/// Keys are stored as `VARBINARY`, compared byte for byte; times are `DATETIME(6)` in UTC, always
+/// from the server's `UTC_TIMESTAMP(6)`, never from the application's clock.
 #[derive(Debug, Clone)]
 pub struct MySqlStore {
     pool: MySqlPool,
@@ -214,51 +216,20 @@ fn record(row: &MySqlRow) -> Result<KeyRecord, StoreError> {
     .into_record()
 }
 
-/// Applies the migrations not yet recorded, on one connection holding the migration lock.
-async fn apply_migrations(conn: &mut PoolConnection<MySql>) -> Result<(), StoreError> {
-    sqlx::query(
-        "CREATE TABLE IF NOT EXISTS idempotency_schema_migrations (
-            version BIGINT NOT NULL PRIMARY KEY,
-            description VARCHAR(255) NOT NULL,
-            applied_at DATETIME(6) NOT NULL
-        ) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4",
-    )
-    .execute(&mut **conn)
-    .await?;
-    for &(version, description, sql) in MIGRATIONS {
-        let applied: Option<i64> = sqlx::query_scalar(
-            "SELECT version FROM idempotency_schema_migrations WHERE version = ?",
-        )
-        .bind(version)
-        .fetch_optional(&mut **conn)
-        .await?;
-        if applied.is_some() {
-            continue;
-        }
-        // DDL commits implicitly and cannot be rolled back: every statement is idempotent, so a
-        // migration interrupted before its bookkeeping row is simply applied again.
-        for statement in super::statements(sql) {
-            match sqlx::query(&statement).execute(&mut **conn).await {
-                Ok(_) => {}
-                Err(e) if error_number(&e) == Some(ER_DUP_FIELDNAME) => {}
-                Err(e) => {
-                    return Err(StoreError::Migration(format!(
-                        "{version} {description}: {e}"
-                    )))
-                }
-            }
-        }
-        sqlx::query(
-            "INSERT INTO idempotency_schema_migrations (version, description, applied_at)
-             VALUES (?, ?, UTC_TIMESTAMP(6))",
-        )
-        .bind(version)
-        .bind(description)
-        .execute(&mut **conn)
-        .await?;
-    }
-    Ok(())
-}
+/// Where applied migrations are recorded. DDL commits implicitly and cannot be rolled back:
+/// every statement is idempotent or tolerated, so a migration interrupted before its bookkeeping
+/// row is simply applied again.
+const BOOKKEEPING: Bookkeeping = Bookkeeping {
+    create_table: "CREATE TABLE IF NOT EXISTS idempotency_schema_migrations (
+        version BIGINT NOT NULL PRIMARY KEY,
+        description VARCHAR(255) NOT NULL,
+        applied_at DATETIME(6) NOT NULL
+    ) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4",
+    find_version: "SELECT version FROM idempotency_schema_migrations WHERE version = ?",
+    record_version: "INSERT INTO idempotency_schema_migrations (version, description, applied_at)
+        VALUES (?, ?, UTC_TIMESTAMP(6))",
+    already_applied: |error| error_number(error) == Some(ER_DUP_FIELDNAME),
+};
 
 impl MySqlStore {
     async fn try_insert(&self, row: &PendingRow<'_>) -> Result<(), sqlx::Error> {
@@ -308,11 +279,11 @@ impl Store for MySqlStore {
                 .fetch_one(&mut *conn)
                 .await?;
         if locked != Some(1) {
-            return Err(StoreError::Migration(format!(
-                "could not take the migration lock within {MIGRATION_LOCK_TIMEOUT_SECS} s"
-            )));
+            return Err(StoreError::MigrationLocked {
+                waited: Duration::from_secs(MIGRATION_LOCK_TIMEOUT_SECS.unsigned_abs()),
+            });
         }
-        let applied = apply_migrations(&mut conn).await;
+        let applied = migration::apply_pending::<MySql>(&mut conn, &BOOKKEEPING, MIGRATIONS).await;
         let released = sqlx::query(&format!("SELECT RELEASE_LOCK({MIGRATION_LOCK})"))
             .execute(&mut *conn)
             .await;

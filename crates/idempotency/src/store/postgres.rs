@@ -1,10 +1,6 @@
 //! PostgreSQL store (feature `postgres`).
-//!
-//! The reservation is one statement: `INSERT … ON CONFLICT DO NOTHING` joined with a read of the
-//! existing row, so a first request and a duplicate each cost one round trip. It runs in
-//! autocommit; under REPEATABLE READ or SERIALIZABLE server defaults a losing insert may fail with
-//! SQLSTATE 40001 instead of returning nothing, which is taken as "conflict, read the row".
 
+use super::migration::{self, Bookkeeping, Migration};
 use super::row::KeyRow;
 use super::{millis, Effects, Insertion, KeyRecord, LeaseToken, PendingRow, Store};
 use crate::{error::StoreError, Fingerprint, IdempotencyKey};
@@ -13,26 +9,38 @@ use std::{collections::HashMap, sync::Arc, time::Duration};
 use tokio::sync::{oneshot, Notify};
 
 /// The key table's migrations, applied in order by [`Store::migrate`].
-pub const MIGRATIONS: &[(i64, &str, &str)] = &[
-    (
-        1,
-        "create idempotency_keys",
-        include_str!("../../migrations/postgres/0001_idempotency_keys.sql"),
-    ),
-    (
-        2,
-        "keys compare byte by byte (COLLATE \"C\")",
-        include_str!("../../migrations/postgres/0002_keys_collate_c.sql"),
-    ),
-    (
-        3,
-        "durable steps: recovery point, request, progress",
-        include_str!("../../migrations/postgres/0003_durable_steps.sql"),
-    ),
+pub(crate) const MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        description: "create idempotency_keys",
+        sql: include_str!("../../migrations/postgres/0001_idempotency_keys.sql"),
+    },
+    Migration {
+        version: 2,
+        description: "keys compare byte by byte (COLLATE \"C\")",
+        sql: include_str!("../../migrations/postgres/0002_keys_collate_c.sql"),
+    },
+    Migration {
+        version: 3,
+        description: "durable steps: recovery point, request, progress",
+        sql: include_str!("../../migrations/postgres/0003_durable_steps.sql"),
+    },
 ];
 
 /// Lock id for `pg_advisory_xact_lock` while migrating ("idem" in ASCII).
 const MIGRATION_LOCK: i64 = 0x6964_656d;
+
+/// Where applied migrations are recorded.
+const BOOKKEEPING: Bookkeeping = Bookkeeping {
+    create_table: "CREATE TABLE IF NOT EXISTS idempotency_schema_migrations (
+        version BIGINT PRIMARY KEY,
+        description TEXT NOT NULL,
+        applied_at TIMESTAMPTZ NOT NULL DEFAULT now())",
+    find_version: "SELECT version FROM idempotency_schema_migrations WHERE version = $1",
+    record_version:
+        "INSERT INTO idempotency_schema_migrations (version, description) VALUES ($1, $2)",
+    already_applied: migration::never_applied,
+};
 
 macro_rules! columns {
     () => {
@@ -95,13 +103,20 @@ const FIND: &str = concat!(
 ///
 /// ```no_run
 /// # async fn demo() -> Result<(), idempotency::StoreError> {
-/// use idempotency::{store::{postgres::PgStore, Store}, Idempotency};
+/// use idempotency::{PgStore, Store, Idempotency};
 /// let pool = sqlx::PgPool::connect("postgres://shop@127.0.0.1/shop").await?;
 /// let store = PgStore::new(pool);
 /// store.migrate().await?;
 /// let idem = Idempotency::new(store);
 /// # Ok(()) }
 /// ```
+///
+/// PostgreSQL store (feature `postgres`).
+///
+/// The reservation is one statement: `INSERT … ON CONFLICT DO NOTHING` joined with a read of the
+/// existing row, so a first request and a duplicate each cost one round trip. It runs in
+/// autocommit; under REPEATABLE READ or SERIALIZABLE server defaults a losing insert may fail with
+/// SQLSTATE 40001 instead of returning nothing, which is taken as "conflict, read the row".
 #[derive(Debug, Clone)]
 pub struct PgStore {
     pool: PgPool,
@@ -169,38 +184,7 @@ impl Store for PgStore {
             .bind(MIGRATION_LOCK)
             .execute(&mut *tx)
             .await?;
-        sqlx::query(
-            "CREATE TABLE IF NOT EXISTS idempotency_schema_migrations (
-                version BIGINT PRIMARY KEY,
-                description TEXT NOT NULL,
-                applied_at TIMESTAMPTZ NOT NULL DEFAULT now())",
-        )
-        .execute(&mut *tx)
-        .await?;
-        for &(version, description, sql) in MIGRATIONS {
-            let applied: Option<i64> = sqlx::query_scalar(
-                "SELECT version FROM idempotency_schema_migrations WHERE version = $1",
-            )
-            .bind(version)
-            .fetch_optional(&mut *tx)
-            .await?;
-            if applied.is_some() {
-                continue;
-            }
-            for statement in super::statements(sql) {
-                sqlx::query(&statement)
-                    .execute(&mut *tx)
-                    .await
-                    .map_err(|e| StoreError::Migration(format!("{version} {description}: {e}")))?;
-            }
-            sqlx::query(
-                "INSERT INTO idempotency_schema_migrations (version, description) VALUES ($1, $2)",
-            )
-            .bind(version)
-            .bind(description)
-            .execute(&mut *tx)
-            .await?;
-        }
+        migration::apply_pending::<Postgres>(&mut tx, &BOOKKEEPING, MIGRATIONS).await?;
         tx.commit().await?;
         Ok(())
     }
@@ -681,7 +665,7 @@ pub const NOTIFIED_POLL: Duration = Duration::from_millis(100);
 /// cost their waiters one extra read.
 ///
 /// ```
-/// use idempotency::{store::postgres::completion_payload, IdempotencyKey};
+/// use idempotency::{completion_payload, IdempotencyKey};
 /// let a = IdempotencyKey::new("alice", "purchase", "k-1")?;
 /// let b = IdempotencyKey::new("alice", "purchase", "k-2")?;
 /// assert_eq!(completion_payload(&a).len(), 32);

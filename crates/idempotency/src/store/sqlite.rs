@@ -1,23 +1,6 @@
 //! SQLite store (feature `sqlite`), the embedded default.
-//!
-//! SQLite has one writer at a time. Left to itself, a second writer polls the lock on SQLite's
-//! busy-handler schedule (sleeps of 1, 2, 5 … 100 ms), so a request can stall for hundreds of
-//! milliseconds behind a short transaction. The store therefore queues its writers in process:
-//! every write (a reservation, a completion, a release, a business transaction from
-//! [`Store::begin`]) runs on a pool of **one writer connection**, whose waiters are served in
-//! order the moment the connection returns, without sleeping. Reads (replays, duplicates, the
-//! operator's listings) use the application's pool and never wait for the writer in WAL mode.
-//! Business transactions still begin with `BEGIN IMMEDIATE`, so another process writing the same
-//! file (the `idem` CLI) makes them wait on the busy timeout rather than fail on a lock upgrade.
-//!
-//! A reservation first reads the row (replays and duplicates are then cheap reads), and only for
-//! an absent key INSERTs under the primary key, which decides alone who holds the key. The
-//! reservation commits with the database's `synchronous` setting; with WAL and
-//! `synchronous = NORMAL` (what [`SqliteStore::connect`] sets), a commit survives a crash of the
-//! process but not of the machine's power, the same bargain as PostgreSQL's
-//! `synchronous_commit = off` for journaled reservations: a lost reservation leaves nothing
-//! behind, because the work it guarded committed after it (the WAL is ordered).
 
+use super::migration::{self, Bookkeeping, Migration};
 use super::row::{uuid, KeyRow};
 use super::{millis, Insertion, KeyRecord, LeaseToken, PendingRow, Store};
 use crate::{error::StoreError, Fingerprint, IdempotencyKey};
@@ -31,17 +14,17 @@ use sqlx::{
 use std::{str::FromStr, time::Duration};
 
 /// The key table's migrations, applied in order by [`Store::migrate`].
-pub const MIGRATIONS: &[(i64, &str, &str)] = &[
-    (
-        1,
-        "create idempotency_keys",
-        include_str!("../../migrations/sqlite/0001_idempotency_keys.sql"),
-    ),
-    (
-        2,
-        "durable steps: recovery point, request, progress",
-        include_str!("../../migrations/sqlite/0002_durable_steps.sql"),
-    ),
+pub(crate) const MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        description: "create idempotency_keys",
+        sql: include_str!("../../migrations/sqlite/0001_idempotency_keys.sql"),
+    },
+    Migration {
+        version: 2,
+        description: "durable steps: recovery point, request, progress",
+        sql: include_str!("../../migrations/sqlite/0002_durable_steps.sql"),
+    },
 ];
 
 /// SQLite's clock in milliseconds since the Unix epoch.
@@ -50,6 +33,21 @@ macro_rules! now_ms {
         "CAST(unixepoch('subsec') * 1000 AS INTEGER)"
     };
 }
+
+/// Where applied migrations are recorded.
+const BOOKKEEPING: Bookkeeping = Bookkeeping {
+    create_table: "CREATE TABLE IF NOT EXISTS idempotency_schema_migrations (
+        version INTEGER PRIMARY KEY,
+        description TEXT NOT NULL,
+        applied_at INTEGER NOT NULL)",
+    find_version: "SELECT version FROM idempotency_schema_migrations WHERE version = ?1",
+    record_version: concat!(
+        "INSERT INTO idempotency_schema_migrations (version, description, applied_at) VALUES (?1, ?2, ",
+        now_ms!(),
+        ")"
+    ),
+    already_applied: migration::never_applied,
+};
 
 macro_rules! columns {
     () => {
@@ -76,12 +74,32 @@ const FIND: &str = concat!(
 ///
 /// ```no_run
 /// # async fn demo() -> Result<(), idempotency::StoreError> {
-/// use idempotency::store::{sqlite::SqliteStore, Store};
+/// use idempotency::{SqliteStore, Store};
 /// let store = SqliteStore::connect("sqlite://shop.db").await?; // created if missing
 /// store.migrate().await?;
 /// sqlx::query("CREATE TABLE IF NOT EXISTS orders (id INTEGER PRIMARY KEY)").execute(store.pool()).await?;
 /// # Ok(()) }
 /// ```
+///
+/// SQLite store (feature `sqlite`), the embedded default.
+///
+/// SQLite has one writer at a time. Left to itself, a second writer polls the lock on SQLite's
+/// busy-handler schedule (sleeps of 1, 2, 5 … 100 ms), so a request can stall for hundreds of
+/// milliseconds behind a short transaction. The store therefore queues its writers in process:
+/// every write (a reservation, a completion, a release, a business transaction from
+/// [`Store::begin`]) runs on a pool of **one writer connection**, whose waiters are served in
+/// order the moment the connection returns, without sleeping. Reads (replays, duplicates, the
+/// operator's listings) use the application's pool and never wait for the writer in WAL mode.
+/// Business transactions still begin with `BEGIN IMMEDIATE`, so another process writing the same
+/// file (the `idem` CLI) makes them wait on the busy timeout rather than fail on a lock upgrade.
+///
+/// A reservation first reads the row (replays and duplicates are then cheap reads), and only for
+/// an absent key INSERTs under the primary key, which decides alone who holds the key. The
+/// reservation commits with the database's `synchronous` setting; with WAL and
+/// `synchronous = NORMAL` (what [`SqliteStore::connect`] sets), a commit survives a crash of the
+/// process but not of the machine's power, the same bargain as PostgreSQL's
+/// `synchronous_commit = off` for journaled reservations: a lost reservation leaves nothing
+/// behind, because the work it guarded committed after it (the WAL is ordered).
 #[derive(Debug, Clone)]
 pub struct SqliteStore {
     pool: SqlitePool,
@@ -127,7 +145,7 @@ impl SqliteStore {
     ///
     /// ```no_run
     /// # async fn demo() -> Result<(), idempotency::StoreError> {
-    /// use idempotency::store::sqlite::SqliteStore;
+    /// use idempotency::SqliteStore;
     /// let store = SqliteStore::connect("sqlite://shop.db").await?;
     /// let mut tx = store.writer().begin_with("BEGIN IMMEDIATE").await?;
     /// sqlx::query("CREATE TABLE IF NOT EXISTS notes (body TEXT)").execute(&mut *tx).await?;
@@ -175,40 +193,7 @@ impl Store for SqliteStore {
 
     async fn migrate(&self) -> Result<(), StoreError> {
         let mut tx = self.writer.begin_with("BEGIN IMMEDIATE").await?;
-        sqlx::query(
-            "CREATE TABLE IF NOT EXISTS idempotency_schema_migrations (
-                version INTEGER PRIMARY KEY,
-                description TEXT NOT NULL,
-                applied_at INTEGER NOT NULL)",
-        )
-        .execute(&mut *tx)
-        .await?;
-        for &(version, description, sql) in MIGRATIONS {
-            let applied: Option<i64> = sqlx::query_scalar(
-                "SELECT version FROM idempotency_schema_migrations WHERE version = ?1",
-            )
-            .bind(version)
-            .fetch_optional(&mut *tx)
-            .await?;
-            if applied.is_some() {
-                continue;
-            }
-            for statement in super::statements(sql) {
-                sqlx::query(&statement)
-                    .execute(&mut *tx)
-                    .await
-                    .map_err(|e| StoreError::Migration(format!("{version} {description}: {e}")))?;
-            }
-            sqlx::query(concat!(
-                "INSERT INTO idempotency_schema_migrations (version, description, applied_at) VALUES (?1, ?2, ",
-                now_ms!(),
-                ")"
-            ))
-            .bind(version)
-            .bind(description)
-            .execute(&mut *tx)
-            .await?;
-        }
+        migration::apply_pending::<Sqlite>(&mut tx, &BOOKKEEPING, MIGRATIONS).await?;
         tx.commit().await?;
         Ok(())
     }

@@ -3,8 +3,8 @@
 #![allow(dead_code)]
 
 use futures_util::future::BoxFuture;
-use idempotency::store::{postgres::PgStore, sqlite::SqliteStore, Store};
 use idempotency::{Attempt, Error, Fingerprint, Idempotency, IdempotencyKey, Outcome};
+use idempotency::{PgStore, SqliteStore, Store};
 use serde_json::json;
 use sqlx::Transaction;
 use std::{sync::Arc, time::Duration};
@@ -110,7 +110,7 @@ impl Harness for SqliteStore {
     }
 }
 
-impl Harness for idempotency::store::mysql::MySqlStore {
+impl Harness for idempotency::MySqlStore {
     const NAME: &'static str = "mysql";
 
     async fn open() -> Option<Self> {
@@ -120,7 +120,7 @@ impl Harness for idempotency::store::mysql::MySqlStore {
             .connect(&url)
             .await
             .expect("connect to fresh mysql database");
-        let store = idempotency::store::mysql::MySqlStore::new(pool);
+        let store = idempotency::MySqlStore::new(pool);
         store.migrate().await.expect("migrate");
         sqlx::query(
             "CREATE TABLE effects (id BIGINT AUTO_INCREMENT PRIMARY KEY, trial VARCHAR(255) NOT NULL) ENGINE = InnoDB",
@@ -161,7 +161,7 @@ macro_rules! backend_tests {
             $(
                 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
                 async fn $test() {
-                    if let Some(store) = <idempotency::store::postgres::PgStore as $crate::common::Harness>::open().await {
+                    if let Some(store) = <idempotency::PgStore as $crate::common::Harness>::open().await {
                         super::$test(store).await;
                     }
                 }
@@ -171,7 +171,7 @@ macro_rules! backend_tests {
             $(
                 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
                 async fn $test() {
-                    if let Some(store) = <idempotency::store::sqlite::SqliteStore as $crate::common::Harness>::open().await {
+                    if let Some(store) = <idempotency::SqliteStore as $crate::common::Harness>::open().await {
                         super::$test(store).await;
                     }
                 }
@@ -181,7 +181,7 @@ macro_rules! backend_tests {
             $(
                 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
                 async fn $test() {
-                    if let Some(store) = <idempotency::store::mysql::MySqlStore as $crate::common::Harness>::open().await {
+                    if let Some(store) = <idempotency::MySqlStore as $crate::common::Harness>::open().await {
                         super::$test(store).await;
                     }
                 }
