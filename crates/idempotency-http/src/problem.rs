@@ -3,12 +3,14 @@
 //! Every refusal of the layer is a [`Problem`]; applications can build their own (401, 400 …) with
 //! the same helper so that clients see one error format.
 
+use crate::{Disposition, StoredResponse};
 use axum::{
     body::Body,
     response::{IntoResponse, Response},
 };
 use http::{header, HeaderValue, StatusCode};
 use serde::Serialize;
+use serde_json::{Map, Value};
 use std::time::Duration;
 
 /// The media type of problem documents.
@@ -83,6 +85,20 @@ pub struct Problem {
     /// Sent as a `Retry-After` header in whole seconds (at least 1), not in the document.
     #[serde(skip)]
     pub retry_after: Option<Duration>,
+    /// Extension members, and what the layer does with the key after this answer.
+    #[serde(flatten, skip_serializing_if = "Option::is_none")]
+    more: Option<Box<More>>,
+}
+
+/// The rarer parts of a problem, boxed to keep `Result<T, Problem>` small.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize)]
+struct More {
+    /// RFC 9457 extension members, serialised beside `type`, `title` …
+    #[serde(flatten)]
+    extensions: Map<String, Value>,
+    /// Inserted into the response's extensions for the layer.
+    #[serde(skip)]
+    disposition: Option<Disposition>,
 }
 
 fn serialize_status<S: serde::Serializer>(status: &StatusCode, s: S) -> Result<S::Ok, S::Error> {
@@ -98,6 +114,70 @@ impl Problem {
             status,
             detail: None,
             retry_after: None,
+            more: None,
+        }
+    }
+
+    /// The HTTP status.
+    ///
+    /// ```
+    /// # use idempotency_http::Problem;
+    /// assert_eq!(Problem::new(http::StatusCode::GONE, "about:blank", "Gone").status(), 410);
+    /// ```
+    pub fn status(&self) -> StatusCode {
+        self.status
+    }
+
+    /// Adds an extension member to the document (RFC 9457, section 3.2). A member named like
+    /// one of the standard ones (`type`, `title`, `status`, `detail`, `instance`) is ignored.
+    ///
+    /// ```
+    /// # use idempotency_http::Problem;
+    /// let p = Problem::new(http::StatusCode::UNPROCESSABLE_ENTITY, "about:blank", "Out of stock")
+    ///     .with_extension("sku", "tea")
+    ///     .with_extension("available", 0);
+    /// let document = serde_json::to_value(&p).unwrap();
+    /// assert_eq!(document["sku"], "tea");
+    /// assert_eq!(document["available"], 0);
+    /// ```
+    pub fn with_extension(mut self, name: &str, value: impl Into<Value>) -> Self {
+        if !matches!(name, "type" | "title" | "status" | "detail" | "instance") {
+            let more = self.more.get_or_insert_with(Box::default);
+            more.extensions.insert(name.to_owned(), value.into());
+        }
+        self
+    }
+
+    /// Says what the layer does with the key after this answer (see [`Disposition`]); without
+    /// it the status decides ([`is_definitive`](crate::is_definitive)).
+    ///
+    /// ```
+    /// use axum::response::IntoResponse;
+    /// use idempotency_http::{Disposition, Problem};
+    /// let refusal = Problem::new(http::StatusCode::PAYMENT_REQUIRED, "about:blank", "Balance too low")
+    ///     .with_disposition(Disposition::Store)
+    ///     .into_response();
+    /// assert_eq!(refusal.extensions().get::<Disposition>(), Some(&Disposition::Store));
+    /// ```
+    pub fn with_disposition(mut self, disposition: Disposition) -> Self {
+        self.more.get_or_insert_with(Box::default).disposition = Some(disposition);
+        self
+    }
+
+    /// The problem as a response kept with a key (for example a durable operation's definitive
+    /// answer): status, `Content-Type` and the document (no `Retry-After`).
+    ///
+    /// ```
+    /// # use idempotency_http::Problem;
+    /// let stored = Problem::new(http::StatusCode::NOT_FOUND, "about:blank", "Not found").to_stored();
+    /// assert_eq!(stored.status, 404);
+    /// assert_eq!(stored.headers[0].1, "application/problem+json");
+    /// ```
+    pub fn to_stored(&self) -> StoredResponse {
+        StoredResponse {
+            status: self.status.as_u16(),
+            headers: vec![("content-type".into(), PROBLEM_JSON.into())],
+            body: serde_json::to_vec(self).unwrap_or_else(|_| b"{}".to_vec()),
         }
     }
 
@@ -160,6 +240,9 @@ impl Problem {
                 header::RETRY_AFTER,
                 HeaderValue::from(Self::retry_after_seconds(retry_after)),
             );
+        }
+        if let Some(disposition) = self.more.and_then(|more| more.disposition) {
+            response.extensions_mut().insert(disposition);
         }
         response
     }

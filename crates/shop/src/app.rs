@@ -3,7 +3,7 @@
 use crate::{
     db::{self, Kind, ProviderDb, ShopDb},
     metrics,
-    problem::{Problem, BODY_LIMIT},
+    problem::{Problem, ShopProblem, BODY_LIMIT},
     protect::{keyed, KeyedRoute},
     providers::{Faults, MailProvider, PaymentProvider},
     purchase::Purchase,
@@ -280,7 +280,7 @@ pub fn router(app: App, config: &Config) -> Router {
         .route("/metrics", get(render_metrics))
         .fallback(|| async { Problem::not_found("no such route") })
         .method_not_allowed_fallback(|| async {
-            Problem::new(
+            Problem::shop(
                 StatusCode::METHOD_NOT_ALLOWED,
                 "method-not-allowed",
                 "Method not allowed",
@@ -297,7 +297,7 @@ pub fn router(app: App, config: &Config) -> Router {
 
 /// 401 for a request without a valid `X-User-Id`.
 pub fn unauthenticated() -> Problem {
-    Problem::new(
+    Problem::shop(
         StatusCode::UNAUTHORIZED,
         "unauthenticated",
         "Authentication required",
@@ -340,7 +340,7 @@ async fn healthz(State(app): State<App>) -> Response {
         axum::Json(serde_json::json!({"status": "ok", "database": app.kind().name()}))
             .into_response()
     } else {
-        Problem::new(
+        Problem::shop(
             StatusCode::SERVICE_UNAVAILABLE,
             "unhealthy",
             "Database unreachable",

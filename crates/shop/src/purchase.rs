@@ -20,7 +20,7 @@ use crate::{
     app::{PURCHASE, START_BALANCE_CENTS},
     db::{Backend, Conn},
     on_conn,
-    problem::Problem,
+    problem::{Problem, ShopProblem},
     providers::{Charge, PaymentProvider, ProviderError},
 };
 use axum::http::StatusCode;
@@ -282,26 +282,26 @@ pub fn stored_json(status: StatusCode, body: &Value) -> StoredResponse {
 }
 
 fn refusal(amount: i64, balance: i64) -> StoredResponse {
-    Problem::new(
+    Problem::shop(
         StatusCode::PAYMENT_REQUIRED,
         "insufficient-balance",
         "Insufficient balance",
         format!("this costs {amount} cents but the balance is {balance} cents"),
     )
-    .with("amount_cents", amount)
-    .with("balance_cents", balance)
+    .with_extension("amount_cents", amount)
+    .with_extension("balance_cents", balance)
     .to_stored()
 }
 
 fn payment_failed(why: &str, order: i64) -> StoredResponse {
-    Problem::new(
+    Problem::shop(
         StatusCode::BAD_GATEWAY,
         "payment-failed",
         "Payment failed",
         format!("{why}; the order was cancelled and the balance given back. This answer is final for this Idempotency-Key: use a new key to buy again"),
     )
-    .with("order_id", order)
-    .with("order_status", "cancelled")
+    .with_extension("order_id", order)
+    .with_extension("order_status", "cancelled")
     .to_stored()
 }
 

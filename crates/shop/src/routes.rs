@@ -12,7 +12,7 @@ use crate::{
     app::{App, Engine, UserId, START_BALANCE_CENTS},
     db::Backend,
     on_conn,
-    problem::{JsonBody, Problem},
+    problem::{JsonBody, Problem, ShopProblem},
     providers::ProviderError,
     purchase::{
         debit, ensure_user, insert_order, mark_paid, place_order, price, Placed, Purchase,
@@ -53,7 +53,7 @@ impl OrderRequest {
 }
 
 fn no_tx() -> Problem {
-    Problem::new(
+    Problem::shop(
         StatusCode::INTERNAL_SERVER_ERROR,
         "no-transaction",
         "No transaction",
@@ -71,26 +71,26 @@ fn db(error: sqlx::Error) -> Problem {
 
 /// 402 with the balance, for a debit the balance does not cover.
 fn insufficient(amount: i64, balance: i64) -> Problem {
-    Problem::new(
+    Problem::shop(
         StatusCode::PAYMENT_REQUIRED,
         "insufficient-balance",
         "Insufficient balance",
         format!("this costs {amount} cents but the balance is {balance} cents"),
     )
-    .with("amount_cents", amount)
-    .with("balance_cents", balance)
+    .with_extension("amount_cents", amount)
+    .with_extension("balance_cents", balance)
 }
 
 fn payment_problem(error: ProviderError) -> Problem {
     match error {
         ProviderError::Storage(e) => Problem::database(&e),
-        other => Problem::new(
+        other => Problem::shop(
             StatusCode::BAD_GATEWAY,
             "payment-provider",
             "Payment provider failed",
             format!("{other}; nothing was kept here, and the provider keeps charges by our key, so retrying with the same Idempotency-Key cannot charge twice"),
         )
-        .retry_after(1),
+        .with_retry_after(std::time::Duration::from_secs(1)),
     }
 }
 
@@ -141,48 +141,47 @@ async fn perform<S: Backend>(
 
 /// The answer to a purchase that did not settle in this request.
 fn perform_problem(error: PerformError) -> Problem {
-    let seconds = |d: std::time::Duration| d.as_secs().max(1);
     match error {
-        PerformError::Pending { retry_after, reason } => Problem::new(
+        PerformError::Pending { retry_after, reason } => Problem::shop(
             StatusCode::SERVICE_UNAVAILABLE,
             "purchase-pending",
             "Purchase pending",
             format!("{reason}; the purchase is carried on in the background. Retry with the same Idempotency-Key: 409 until it settles, then its answer"),
         )
-        .retry_after(seconds(retry_after)),
-        PerformError::Parked { reason } => Problem::new(
+        .with_retry_after(retry_after),
+        PerformError::Parked { reason } => Problem::shop(
             StatusCode::CONFLICT,
             "needs-review",
             "Needs review",
             format!("{reason}; an operator settles this purchase"),
         ),
-        PerformError::LeaseLost => Problem::new(
+        PerformError::LeaseLost => Problem::shop(
             StatusCode::CONFLICT,
             "in-progress",
             "In progress",
             "another worker carries this purchase on; retry with the same Idempotency-Key",
         )
-        .retry_after(1),
-        PerformError::Released(StepError::Store(e)) if e.is_unavailable() => Problem::new(
+        .with_retry_after(std::time::Duration::from_secs(1)),
+        PerformError::Released(StepError::Store(e)) if e.is_unavailable() => Problem::shop(
             StatusCode::SERVICE_UNAVAILABLE,
             "database",
             "Database unavailable",
             "nothing was kept; retry with the same Idempotency-Key",
         )
-        .retry_after(1),
+        .with_retry_after(std::time::Duration::from_secs(1)),
         PerformError::Interrupted(e) => {
             tracing::warn!(error = %e, "purchase interrupted; the worker resumes it");
-            Problem::new(
+            Problem::shop(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "purchase-interrupted",
                 "Purchase interrupted",
                 "the purchase stopped half-way and is resumed in the background; retry with the same Idempotency-Key",
             )
-            .retry_after(1)
+            .with_retry_after(std::time::Duration::from_secs(1))
         }
         other => {
             tracing::error!(error = %other, "purchase failed");
-            Problem::new(
+            Problem::shop(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "purchase-failed",
                 "Purchase failed",
@@ -482,13 +481,13 @@ pub async fn send_email(
         Ok(id) => id,
         Err(ProviderError::Storage(e)) => return Err(Problem::database(&e)),
         Err(e) => {
-            return Err(Problem::new(
+            return Err(Problem::shop(
                 StatusCode::BAD_GATEWAY,
                 "mail-outcome-unknown",
                 "Mail outcome unknown",
                 format!("{e}; the mail provider cannot deduplicate, so this key is parked for review instead of being retried"),
             )
-            .park(format!("mail provider: {e}")))
+            .with_disposition(crate::problem::Disposition::Park(format!("mail provider: {e}"))))
         }
     };
     let email_id: i64 = on_conn!(tx.conn(), |c| {
@@ -518,7 +517,7 @@ pub async fn ledger(
 ) -> Answer {
     let Path(id) = id.map_err(path_problem)?;
     if id != user.0 {
-        return Err(Problem::new(
+        return Err(Problem::shop(
             StatusCode::FORBIDDEN,
             "forbidden",
             "Forbidden",

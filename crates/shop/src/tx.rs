@@ -9,7 +9,7 @@
 use crate::{
     app::App,
     db::{Conn, Kind, Tx},
-    problem::Problem,
+    problem::{Problem, ShopProblem},
 };
 use axum::{
     extract::{FromRequestParts, Request, State},
@@ -65,7 +65,7 @@ impl PlainSlot {
 }
 
 fn no_tx() -> Problem {
-    Problem::new(
+    Problem::shop(
         StatusCode::INTERNAL_SERVER_ERROR,
         "no-transaction",
         "No transaction",
