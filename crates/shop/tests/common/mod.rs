@@ -64,6 +64,37 @@ pub fn start(url: &str, sqlite: Option<test_support::SqliteFile>, extra: &[&str]
     }
 }
 
+/// A shop on a fresh database of `kind`, for one scenario; `None` when PostgreSQL is not
+/// configured (required in CI).
+pub async fn fresh_shop(kind: &str) -> Option<Shop> {
+    let (url, sqlite) = database(kind).await?;
+    Some(start(&url, sqlite, &[]))
+}
+
+/// Instantiates each named scenario `async fn name(kind: &str)` once per backend the shop runs
+/// on, as `sqlite::name` and `postgres::name`: each scenario passes or fails on its own.
+#[macro_export]
+macro_rules! shop_tests {
+    ($($test:ident),* $(,)?) => {
+        mod sqlite {
+            $(
+                #[tokio::test]
+                async fn $test() {
+                    super::$test("sqlite").await;
+                }
+            )*
+        }
+        mod postgres {
+            $(
+                #[tokio::test]
+                async fn $test() {
+                    super::$test("postgres").await;
+                }
+            )*
+        }
+    };
+}
+
 /// One answer: status, content type, replay header, JSON body.
 #[derive(Debug)]
 pub struct Reply {
