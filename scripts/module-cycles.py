@@ -32,8 +32,22 @@ def uses(text, names):
                 out.add(name)
                 break
     # `use crate::{a::X, b}` groups
-    for m in re.finditer(r"\bcrate::\{([^}]*(?:\{[^}]*\}[^}]*)*)\}", text):
-        for item in re.split(r",(?![^{]*\})", m.group(1)):
+    for m in re.finditer(r"\bcrate::\{", text):
+        depth, item, items = 1, "", []
+        for ch in text[m.end():]:
+            if ch == "{":
+                depth += 1
+            elif ch == "}":
+                depth -= 1
+                if depth == 0:
+                    break
+            if ch == "," and depth == 1:
+                items.append(item)
+                item = ""
+            else:
+                item += ch
+        items.append(item)
+        for item in items:
             head = item.strip().split("::")[0].strip()
             if head in names:
                 out.add(head)

@@ -126,14 +126,16 @@
 
 #![warn(missing_docs)]
 
-pub mod error;
-pub mod middleware;
-pub mod outcome;
-pub mod policy;
+mod error;
+mod headers;
+mod middleware;
+mod outcome;
+mod policy;
 mod retry;
 
 pub use error::IdempotencyError;
-pub use middleware::{IdempotencyMiddleware, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, RETRY_AFTER_MS};
+pub use headers::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, RETRY_AFTER_MS};
+pub use middleware::IdempotencyMiddleware;
 pub use outcome::{AttemptRecord, AttemptResult, Outcome, Probe, StopReason, TransportKind};
 pub use policy::{KeyFormat, KeyGenerator, RequestKey, Resendable, RetryPolicy};
 pub use reqwest_middleware;

@@ -3,6 +3,7 @@
 
 use crate::{
     error::IdempotencyError,
+    headers::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED},
     outcome::{AttemptRecord, AttemptResult, Outcome, Probe, StopReason, TransportKind},
     policy::{KeyFormat, KeyGenerator, RequestKey, Resendable, RetryPolicy},
     retry::{classify, hint, is_idempotent, Inspected, Verdict},
@@ -15,14 +16,6 @@ use std::{
     sync::Arc,
     time::{Duration, Instant},
 };
-
-/// `Idempotency-Key`, the request header the middleware sets.
-pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
-/// `Idempotent-Replayed: true`, which marks an answer the server replayed from its store.
-pub const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
-/// `Retry-After-Ms: <milliseconds>`, the millisecond retry hint of `idempotency-http`; preferred
-/// over `Retry-After` (whole seconds) when both are present.
-pub const RETRY_AFTER_MS: &str = "retry-after-ms";
 
 type Observer = dyn Fn(&Outcome) + Send + Sync;
 

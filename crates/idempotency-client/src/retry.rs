@@ -1,7 +1,7 @@
 //! The retry rules: which answers are final, which are retried, and when (see the crate
 //! documentation for the table and the reasons).
 
-use crate::middleware::RETRY_AFTER_MS;
+use crate::headers::RETRY_AFTER_MS;
 use bytes::Bytes;
 use http::{header, HeaderMap, Method, StatusCode};
 use reqwest::{Response, ResponseBuilderExt};

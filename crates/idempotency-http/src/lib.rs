@@ -169,17 +169,17 @@ mod lease;
 pub mod metrics;
 mod problem;
 mod service;
+mod settings;
 mod stored;
 mod tx;
 
 pub use disposition::{commits_writes, is_definitive, Disposition};
 pub use error::{BoxError, IdempotencyRejection, InternalError};
-pub use layer::{
-    IdempotencyLayer, IdempotencyScope, KeyRequirement, MissingScope, DEFAULT_BODY_LIMIT,
-};
+pub use layer::IdempotencyLayer;
 pub use lease::{KeyLease, LeaseRejection};
 pub use problem::{types as problem_types, Problem, DEFAULT_PROBLEM_BASE, PROBLEM_JSON};
 pub use service::{IdempotencyService, ResponseFuture};
+pub use settings::{IdempotencyScope, KeyRequirement, MissingScope, DEFAULT_BODY_LIMIT};
 pub use stored::{StoredResponse, ALWAYS_STORED, NEVER_STORED};
 pub use tx::{IdempotentTx, TxRejection};
 

@@ -2,10 +2,10 @@
 
 use crate::{
     error::{Error, StoreError},
+    error::{PerformError, StepError},
     key::{InvalidKey, MAX_PART_LEN},
     operation::Operation,
-    protocol::{AfterError, Attempt, Idempotency, PerformError},
-    steps::StepError,
+    protocol::{AfterError, Attempt, Idempotency},
     store::{Awaited, Effects, Insertion, KeyState, LeaseToken, PendingRow, Store},
     Fingerprint, IdempotencyKey,
 };

@@ -150,3 +150,153 @@ impl StoreError {
         )
     }
 }
+
+/// A boxed error from a step's own work.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Why a step, or a whole durable run, did not go on.
+///
+/// Inside an operation, propagate these with `?`, or match the ones your operation can answer
+/// (a declined call, a step not done) and [`fail`](crate::Steps::fail) the operation.
+///
+/// ```
+/// use idempotency::StepError;
+/// let error = StepError::NotDone { step: "charge".into() };
+/// assert!(error.to_string().contains("charge"));
+/// ```
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StepError {
+    /// Another worker (a retry, the resumer) holds the key now: this step was rolled back and this
+    /// run must stop.
+    #[error("the lease on the idempotency key was lost; the step was rolled back")]
+    LeaseLost,
+    /// An outside outcome is unknown: the key stays pending, and the resumer (or a retry after
+    /// `retry_after`) carries the operation on.
+    #[error("the operation is pending ({reason}); it is carried on in the background")]
+    Pending {
+        /// When to look again.
+        retry_after: Duration,
+        /// What is unknown.
+        reason: String,
+    },
+    /// The key was parked as *needs review* for an operator.
+    #[error("the operation needs review: {reason}")]
+    Parked {
+        /// Why.
+        reason: String,
+    },
+    /// A local step's own work failed (its transaction was rolled back).
+    #[error("step {step} failed: {source}")]
+    Local {
+        /// The step.
+        step: String,
+        /// Its error.
+        #[source]
+        source: BoxError,
+    },
+    /// An outside call was declined for good.
+    #[error("step {step} was declined: {reason}")]
+    Declined {
+        /// The step.
+        step: String,
+        /// The provider's reason.
+        reason: String,
+    },
+    /// An outside call did not take effect after [`StepPolicy::calls_per_step`](crate::StepPolicy::calls_per_step) calls.
+    #[error("step {step} did not take effect")]
+    NotDone {
+        /// The step.
+        step: String,
+    },
+    /// The request is larger than [`MAX_STORED_REQUEST`](crate::MAX_STORED_REQUEST).
+    #[error("the request has {size} bytes; a durable operation stores at most {limit}")]
+    RequestTooLarge {
+        /// Its canonical size.
+        size: usize,
+        /// The cap.
+        limit: usize,
+    },
+    /// The store failed.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// A step's output or the response could not be (de)serialised.
+    #[error("could not (de)serialise a step's output: {0}")]
+    Serialization(#[from] serde_json::Error),
+}
+
+impl From<sqlx::Error> for StepError {
+    fn from(error: sqlx::Error) -> Self {
+        StepError::Store(error.into())
+    }
+}
+
+/// Why a durable operation ([`Idempotency::perform`](crate::Idempotency::perform)) did not produce its response.
+///
+/// | variant | the key | what a client should do |
+/// |---|---|---|
+/// | `Reserve` | untouched | as the inner [`Error`] says (422, 409, needs review, 503) |
+/// | `Released` | released: nothing took effect | fix the request, or retry |
+/// | `Pending` | pending: an outside outcome is unknown; the resumer carries it on | retry after `retry_after` (409 meanwhile, then the stored response) |
+/// | `Parked` | needs review | wait for an operator |
+/// | `LeaseLost` | held by another worker that carries it on | retry later |
+/// | `Interrupted` | pending until its lease ends, then resumed | retry later |
+///
+/// ```
+/// use idempotency::PerformError;
+/// use std::time::Duration;
+/// let error = PerformError::Pending { retry_after: Duration::from_secs(1), reason: "charge: timeout".into() };
+/// assert!(error.to_string().contains("background"));
+/// ```
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PerformError {
+    /// The reservation refused (the key was used with another request, is in progress, is
+    /// parked) or the store failed before anything ran.
+    #[error(transparent)]
+    Reserve(Error),
+    /// The operation failed before any step took effect: the key was released.
+    #[error("the operation failed and its key was released: {0}")]
+    Released(#[source] StepError),
+    /// An outside outcome is unknown: the key stays pending and the resumer carries the operation
+    /// on; a retry after `retry_after` gets 409 until it is settled, then the stored response.
+    #[error("the operation is pending ({reason}); it is carried on in the background")]
+    Pending {
+        /// When to look again.
+        retry_after: Duration,
+        /// What is unknown.
+        reason: String,
+    },
+    /// The key was parked as *needs review*.
+    #[error("the operation needs review: {reason}")]
+    Parked {
+        /// Why.
+        reason: String,
+    },
+    /// Another worker (a retry, the resumer) took the key over and carries the operation on.
+    #[error("another worker took the operation over")]
+    LeaseLost,
+    /// The operation stopped after some steps took effect (the database failed, a step's own
+    /// work failed and the failure could not be recorded): the key stays pending, is never
+    /// released, and is resumed once its lease ends.
+    #[error("the operation was interrupted and will be resumed: {0}")]
+    Interrupted(#[source] StepError),
+}
+
+impl PerformError {
+    /// The error for what [`Steps::after_error`] returned.
+    pub(crate) fn stopped(error: StepError) -> Self {
+        match error {
+            StepError::LeaseLost => PerformError::LeaseLost,
+            StepError::Pending {
+                retry_after,
+                reason,
+            } => PerformError::Pending {
+                retry_after,
+                reason,
+            },
+            StepError::Parked { reason } => PerformError::Parked { reason },
+            other => PerformError::Interrupted(other),
+        }
+    }
+}

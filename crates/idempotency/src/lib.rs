@@ -6,6 +6,7 @@ mod consumer;
 mod error;
 mod fingerprint;
 mod key;
+mod lease;
 mod operation;
 mod outcome;
 mod protocol;
@@ -19,19 +20,19 @@ mod worker;
 pub use consumer::{
     Consumer, DeadLetter, Decision, FailureKind, InvalidMessage, Message, MAX_MESSAGE_TYPE_LEN,
 };
-pub use error::{Error, StoreError};
+pub use error::{BoxError, Error, PerformError, StepError, StoreError};
 pub use fingerprint::{canonical_json, Fingerprint, FingerprintBuilder};
 pub use key::{IdempotencyKey, InvalidKey, KeyPart, MAX_PART_LEN};
+pub use lease::Lease;
 pub use operation::{Operation, Operations};
 pub use outcome::Outcome;
-pub use protocol::{AfterError, Attempt, Idempotency, Lease, PerformError, Reservation};
+pub use protocol::{AfterError, Attempt, Idempotency, Reservation};
 pub use recovery::{
     resolve, NoResolver, ProviderAnswer, Recovery, RecoveryReport, ResolveError, Resolver,
 };
 pub use retention::{Purge, PurgeReport};
 pub use steps::{
-    provider_key, BoxError, CallError, Finished, Lookup, Settlement, StepError, StepPolicy, Steps,
-    MAX_STORED_REQUEST,
+    provider_key, CallError, Finished, Lookup, Settlement, StepPolicy, Steps, MAX_STORED_REQUEST,
 };
 #[cfg(feature = "mysql")]
 #[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]

@@ -1,9 +1,12 @@
 //! Durable operations by name: the [`Operation`] trait, and the [`Operations`] registry through
 
 use crate::{
-    protocol::{Idempotency, Lease, PerformError},
-    steps::{Finished, Settlement, StepError, Steps},
-    store::{KeyRecord, Store},
+    error::{Error, PerformError, StepError},
+    lease::Lease,
+    protocol::{Attempt, Idempotency, Reservation},
+    steps::{Finished, Settlement, Steps},
+    store::{Effects, KeyRecord, Store},
+    Fingerprint, IdempotencyKey, Outcome,
 };
 use futures_util::{future::BoxFuture, FutureExt};
 use serde::{de::DeserializeOwned, Serialize};
@@ -232,4 +235,72 @@ pub(crate) enum Resumed {
     Released,
     /// The run stopped: pending again, parked, fenced out, or an error.
     Stopped(PerformError),
+}
+
+impl<S: Store> Idempotency<S> {
+    /// Runs the durable operation `operation` for `request` at most once per
+    /// `(scope, operation.name(), client_key)`: reserve (a key whose holder went away is taken
+    /// over and continued from its recovery point), then [`Operation::run`] with its [`Steps`].
+    /// A completed key replays its stored response (also a definitive failure).
+    ///
+    /// The fingerprint is that of the request's canonical JSON. See [`PerformError`] for what
+    /// happens to the key when the run does not finish.
+    pub async fn perform<O: Operation<S>>(
+        &self,
+        operation: &O,
+        scope: &str,
+        client_key: &str,
+        request: &O::Request,
+    ) -> Result<Outcome<O::Response>, PerformError> {
+        let key = IdempotencyKey::new(scope, operation.name(), client_key)
+            .map_err(|e| PerformError::Reserve(e.into()))?;
+        let fingerprint = Fingerprint::of_json(request)
+            .map_err(|e| PerformError::Reserve(Error::Serialization(e)))?;
+        let attempt = Attempt::new(key, fingerprint)
+            .with_effects(Effects::External)
+            .with_journaled(true);
+        match self
+            .reserve(&attempt)
+            .await
+            .map_err(PerformError::Reserve)?
+        {
+            Reservation::Completed(bytes) => serde_json::from_slice(&bytes)
+                .map(Outcome::Replayed)
+                .map_err(|e| PerformError::Reserve(Error::Serialization(e))),
+            Reservation::Acquired(lease) => self
+                .perform_reserved(operation, lease, request)
+                .await
+                .map(|finished| Outcome::Executed(finished.into_response())),
+        }
+    }
+
+    /// Runs (or continues) `operation` under a key already reserved by `lease` (for an HTTP layer
+    /// that reserved it, with its own fingerprint, with [`Effects::External`]).
+    pub async fn perform_reserved<O: Operation<S>>(
+        &self,
+        operation: &O,
+        lease: Lease<S>,
+        request: &O::Request,
+    ) -> Result<Finished<O::Response>, PerformError> {
+        let mut steps = match Steps::new(lease, request, self.step_policy(), self.retention()) {
+            Ok(steps) => steps,
+            Err(refused) => {
+                let (mut lease, error) = *refused;
+                if !lease.is_resumed() {
+                    lease.release_now().await;
+                    return Err(PerformError::Released(error));
+                }
+                let reason = format!("the operation's journal cannot be read: {error}");
+                return Err(match lease.park(&reason).await {
+                    Ok(true) => PerformError::Parked { reason },
+                    Ok(false) => PerformError::LeaseLost,
+                    Err(e) => PerformError::Interrupted(e.into()),
+                });
+            }
+        };
+        match operation.run(&mut steps, request).await {
+            Ok(finished) => Ok(finished),
+            Err(error) => Err(steps.after_error(error).await),
+        }
+    }
 }

@@ -4,9 +4,9 @@
 
 use crate::{
     error::{Error, StoreError},
-    operation::Operation,
+    lease::Lease,
     recent_replays::RecentReplays,
-    steps::{Finished, StepError, StepPolicy, Steps},
+    steps::StepPolicy,
     store::{Effects, Insertion, KeyRecord, KeyState, LeaseToken, PendingRow, Store},
     Fingerprint, IdempotencyKey, Outcome,
 };
@@ -66,7 +66,7 @@ impl Attempt {
         self.effects
     }
 
-    /// Whether the work is a durable operation ([`Steps`]) that commits a recovery point before
+    /// Whether the work is a durable operation ([`Steps`](crate::Steps)) that commits a recovery point before
     /// any outside call (default `false`). Its reservation then need not be flushed to disk on
     /// its own: the first step's commit flushes it too (see [`Attempt::with_journaled`]).
     pub fn journaled(&self) -> bool {
@@ -79,9 +79,9 @@ impl Attempt {
         self
     }
 
-    /// Declares the work a durable operation run through [`Steps`] ([`Idempotency::perform`]
+    /// Declares the work a durable operation run through [`Steps`](crate::Steps) ([`Idempotency::perform`]
     /// and [`Idempotency::perform_reserved`] do): every outside call comes after a committed,
-    /// flushed recovery point (a local step, or the mark [`Steps::call`] writes first). A crash
+    /// flushed recovery point (a local step, or the mark [`Steps::call`](crate::Steps::call) writes first). A crash
     /// before that commit loses at most a reservation whose work had no effect, so the
     /// reservation is not flushed on its own (PostgreSQL: `synchronous_commit = off` for its
     /// statement; log records are flushed in order, so the first step's commit makes it durable).
@@ -136,197 +136,6 @@ pub enum Reservation<S: Store> {
     Acquired(Lease<S>),
     /// The operation was completed before; these are its stored result bytes.
     Completed(Vec<u8>),
-}
-
-/// The right to run the work for one key, until the lease ends.
-///
-/// Dropping a lease that was neither finished, released nor parked (a panic, a cancelled future)
-/// *abandons* it: for [`Effects::Local`] work the key is released in a background task, so a
-/// cancelled request does not keep the key pending until its lease ends (nothing was committed:
-/// completion commits with the work). For [`Effects::External`] work the key is left pending, since
-/// the outside effect may have happened: the recovery job asks the provider once the lease ends, or
-/// parks the key for a human.
-#[derive(Debug)]
-pub struct Lease<S: Store> {
-    store: S,
-    key: IdempotencyKey,
-    token: LeaseToken,
-    effects: Effects,
-    retention: Duration,
-    armed: bool,
-    /// The row as it was when this lease took it over from an earlier holder (a durable
-    /// operation resumed by a retry or the resumer), with its journal.
-    pub(crate) resumed: Option<Box<KeyRecord>>,
-}
-
-impl<S: Store> Lease<S> {
-    /// The key held.
-    pub fn key(&self) -> &IdempotencyKey {
-        &self.key
-    }
-
-    /// Our lease token.
-    pub fn token(&self) -> LeaseToken {
-        self.token
-    }
-
-    /// Whether this lease took the key over from an earlier holder of a durable operation (its
-    /// steps continue from the recovery point).
-    pub fn is_resumed(&self) -> bool {
-        self.resumed.is_some()
-    }
-
-    pub(crate) fn store(&self) -> &S {
-        &self.store
-    }
-
-    /// The key was settled, parked or noted by other means: dropping the lease does nothing.
-    pub(crate) fn disarm(&mut self) {
-        self.armed = false;
-    }
-
-    /// Releases the key now if it is still pending with our token, logging a failure.
-    pub(crate) async fn release_now(&mut self) {
-        self.release_quietly().await;
-    }
-
-    /// Marks the key completed with `result` **inside** `tx` (only if still pending with our
-    /// token), then commits `tx`. If the lease was lost, rolls `tx` back and returns
-    /// [`Error::LeaseLost`]; if the commit fails, releases the key only if it is still pending
-    /// (a lost COMMIT acknowledgement may hide a commit that happened).
-    pub async fn finish(
-        mut self,
-        mut tx: sqlx::Transaction<'static, S::Database>,
-        result: &[u8],
-    ) -> Result<(), Error> {
-        let completed = self
-            .store
-            .complete(&mut tx, &self.key, self.token, result, self.retention)
-            .await;
-        match completed {
-            Ok(true) => {}
-            Ok(false) => {
-                self.armed = false;
-                let _ = tx.rollback().await;
-                return Err(Error::LeaseLost);
-            }
-            Err(e) => {
-                let _ = tx.rollback().await;
-                self.release_quietly().await;
-                return Err(e.into());
-            }
-        }
-        match tx.commit().await {
-            Ok(()) => {
-                self.armed = false;
-                Ok(())
-            }
-            Err(e) => {
-                self.release_quietly().await;
-                Err(StoreError::from(e).into())
-            }
-        }
-    }
-
-    /// Releases the key if it is still pending with our token. Returns whether it was released.
-    ///
-    /// A lease that [resumed](Self::is_resumed) a durable operation never releases: steps of
-    /// that operation took effect, and deleting the key would lose its journal. Its key stays
-    /// pending with our token until the lease ends; then the resumer carries it on.
-    pub async fn release(mut self) -> Result<bool, StoreError> {
-        self.armed = false;
-        if self.keeps_progress() {
-            return Ok(false);
-        }
-        self.store.release(&self.key, self.token).await
-    }
-
-    /// Whether this lease holds recorded progress that a release would lose (see
-    /// [`release`](Self::release)).
-    fn keeps_progress(&self) -> bool {
-        if self.resumed.is_some() {
-            tracing::warn!(key = %self.key, "a resumed durable operation is never released; it stays pending for the resumer");
-            return true;
-        }
-        false
-    }
-
-    /// Gives the key up **without releasing it**: it stays pending until its lease ends, and
-    /// then the recovery job settles it (asking the provider, or parking it for review). For
-    /// work whose outside effect may have happened and nobody knows (a handler that failed or
-    /// panicked after calling a provider).
-    ///
-    /// ```no_run
-    /// # async fn demo(lease: idempotency::Lease<idempotency::SqliteStore>) {
-    /// lease.leave_pending();
-    /// # }
-    /// ```
-    pub fn leave_pending(mut self) {
-        self.armed = false;
-        tracing::warn!(key = %self.key, "outcome unknown; the key stays pending for the recovery job");
-    }
-
-    /// Parks the key as `needs_review` if it is still pending with our token.
-    pub async fn park(mut self, reason: &str) -> Result<bool, StoreError> {
-        self.armed = false;
-        self.store.park(&self.key, self.token, reason).await
-    }
-
-    /// The work was abandoned (panic): release a local key, leave an external one pending.
-    async fn abandon(&mut self) {
-        if self.effects == Effects::External {
-            self.armed = false;
-            tracing::warn!(key = %self.key, "external work abandoned; the key stays pending for the recovery job");
-            return;
-        }
-        self.release_quietly().await;
-    }
-
-    async fn release_quietly(&mut self) {
-        self.armed = false;
-        if self.keeps_progress() {
-            return;
-        }
-        if let Err(error) = self.store.release(&self.key, self.token).await {
-            tracing::warn!(%error, key = %self.key, "could not release idempotency key; it stays pending until its lease ends");
-        }
-    }
-}
-
-impl<S: Store> Lease<S> {
-    /// From a drop: releases the key in a task of its own (a drop cannot wait).
-    fn release_in_background(&mut self) {
-        self.armed = false;
-        if self.keeps_progress() {
-            return;
-        }
-        let (store, key, token) = (self.store.clone(), self.key.clone(), self.token);
-        match tokio::runtime::Handle::try_current() {
-            Ok(runtime) => {
-                runtime.spawn(async move {
-                    if let Err(error) = store.release(&key, token).await {
-                        tracing::warn!(%error, %key, "could not release abandoned idempotency key");
-                    }
-                });
-            }
-            Err(_) => {
-                tracing::warn!(%key, "idempotency lease dropped outside a tokio runtime; the key stays pending until its lease ends")
-            }
-        }
-    }
-}
-
-impl<S: Store> Drop for Lease<S> {
-    fn drop(&mut self) {
-        if !self.armed {
-            return;
-        }
-        if self.effects == Effects::External {
-            tracing::warn!(key = %self.key, "external work abandoned (cancelled); the key stays pending for the recovery job");
-            return;
-        }
-        self.release_in_background();
-    }
 }
 
 /// A reservation on its way from the reserving task to its caller. Dropped before the caller
@@ -929,143 +738,5 @@ impl<S: Store> Idempotency<S> {
         // 3. Complete the key in the same transaction, and commit both.
         lease.finish(tx, &bytes).await.map_err(Error::widen)?;
         Ok(Outcome::Executed(value))
-    }
-}
-
-/// Why a durable operation ([`Idempotency::perform`]) did not produce its response.
-///
-/// | variant | the key | what a client should do |
-/// |---|---|---|
-/// | `Reserve` | untouched | as the inner [`Error`] says (422, 409, needs review, 503) |
-/// | `Released` | released: nothing took effect | fix the request, or retry |
-/// | `Pending` | pending: an outside outcome is unknown; the resumer carries it on | retry after `retry_after` (409 meanwhile, then the stored response) |
-/// | `Parked` | needs review | wait for an operator |
-/// | `LeaseLost` | held by another worker that carries it on | retry later |
-/// | `Interrupted` | pending until its lease ends, then resumed | retry later |
-///
-/// ```
-/// use idempotency::PerformError;
-/// use std::time::Duration;
-/// let error = PerformError::Pending { retry_after: Duration::from_secs(1), reason: "charge: timeout".into() };
-/// assert!(error.to_string().contains("background"));
-/// ```
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum PerformError {
-    /// The reservation refused (the key was used with another request, is in progress, is
-    /// parked) or the store failed before anything ran.
-    #[error(transparent)]
-    Reserve(Error),
-    /// The operation failed before any step took effect: the key was released.
-    #[error("the operation failed and its key was released: {0}")]
-    Released(#[source] StepError),
-    /// An outside outcome is unknown: the key stays pending and the resumer carries the operation
-    /// on; a retry after `retry_after` gets 409 until it is settled, then the stored response.
-    #[error("the operation is pending ({reason}); it is carried on in the background")]
-    Pending {
-        /// When to look again.
-        retry_after: Duration,
-        /// What is unknown.
-        reason: String,
-    },
-    /// The key was parked as *needs review*.
-    #[error("the operation needs review: {reason}")]
-    Parked {
-        /// Why.
-        reason: String,
-    },
-    /// Another worker (a retry, the resumer) took the key over and carries the operation on.
-    #[error("another worker took the operation over")]
-    LeaseLost,
-    /// The operation stopped after some steps took effect (the database failed, a step's own
-    /// work failed and the failure could not be recorded): the key stays pending, is never
-    /// released, and is resumed once its lease ends.
-    #[error("the operation was interrupted and will be resumed: {0}")]
-    Interrupted(#[source] StepError),
-}
-
-impl PerformError {
-    /// The error for what [`Steps::after_error`] returned.
-    pub(crate) fn stopped(error: StepError) -> Self {
-        match error {
-            StepError::LeaseLost => PerformError::LeaseLost,
-            StepError::Pending {
-                retry_after,
-                reason,
-            } => PerformError::Pending {
-                retry_after,
-                reason,
-            },
-            StepError::Parked { reason } => PerformError::Parked { reason },
-            other => PerformError::Interrupted(other),
-        }
-    }
-}
-
-impl<S: Store> Idempotency<S> {
-    /// Runs the durable operation `operation` for `request` at most once per
-    /// `(scope, operation.name(), client_key)`: reserve (a key whose holder went away is taken
-    /// over and continued from its recovery point), then [`Operation::run`] with its [`Steps`].
-    /// A completed key replays its stored response (also a definitive failure).
-    ///
-    /// The fingerprint is that of the request's canonical JSON. See [`PerformError`] for what
-    /// happens to the key when the run does not finish.
-    pub async fn perform<O: Operation<S>>(
-        &self,
-        operation: &O,
-        scope: &str,
-        client_key: &str,
-        request: &O::Request,
-    ) -> Result<Outcome<O::Response>, PerformError> {
-        let key = IdempotencyKey::new(scope, operation.name(), client_key)
-            .map_err(|e| PerformError::Reserve(e.into()))?;
-        let fingerprint = Fingerprint::of_json(request)
-            .map_err(|e| PerformError::Reserve(Error::Serialization(e)))?;
-        let attempt = Attempt::new(key, fingerprint)
-            .with_effects(Effects::External)
-            .with_journaled(true);
-        match self
-            .reserve(&attempt)
-            .await
-            .map_err(PerformError::Reserve)?
-        {
-            Reservation::Completed(bytes) => serde_json::from_slice(&bytes)
-                .map(Outcome::Replayed)
-                .map_err(|e| PerformError::Reserve(Error::Serialization(e))),
-            Reservation::Acquired(lease) => self
-                .perform_reserved(operation, lease, request)
-                .await
-                .map(|finished| Outcome::Executed(finished.into_response())),
-        }
-    }
-
-    /// Runs (or continues) `operation` under a key already reserved by `lease` (for an HTTP layer
-    /// that reserved it, with its own fingerprint, with [`Effects::External`]).
-    pub async fn perform_reserved<O: Operation<S>>(
-        &self,
-        operation: &O,
-        lease: Lease<S>,
-        request: &O::Request,
-    ) -> Result<Finished<O::Response>, PerformError> {
-        let mut steps = match Steps::new(lease, request, self.step_policy, self.retention) {
-            Ok(steps) => steps,
-            Err(refused) => {
-                let (mut lease, error) = *refused;
-                if !lease.is_resumed() {
-                    lease.release_now().await;
-                    return Err(PerformError::Released(error));
-                }
-                let reason = format!("the operation's journal cannot be read: {error}");
-                return Err(match lease.park(&reason).await {
-                    Ok(true) => PerformError::Parked { reason },
-                    Ok(false) => PerformError::LeaseLost,
-                    Err(e) => PerformError::Interrupted(e.into()),
-                });
-            }
-        };
-        match operation.run(&mut steps, request).await {
-            Ok(finished) => Ok(finished),
-            Err(error) => Err(steps.after_error(error).await),
-        }
     }
 }

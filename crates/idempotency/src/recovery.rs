@@ -1,9 +1,9 @@
 //! Recovery of abandoned keys and operator resolution of parked ones.
 
 use crate::{
-    error::StoreError,
+    error::{PerformError, StoreError},
     operation::{Operations, Resumed},
-    protocol::{Idempotency, PerformError},
+    protocol::Idempotency,
     steps::Settlement,
     store::{Effects, KeyRecord, KeyState, LeaseToken, Maintenance, Resolution},
     IdempotencyKey,

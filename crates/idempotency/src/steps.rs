@@ -1,9 +1,9 @@
 //! Durable steps: an operation that calls outside services, written as a sequence of **local
 
 use crate::{
-    error::StoreError,
+    error::{BoxError, PerformError, StepError},
     fingerprint::canonical_json,
-    protocol::{Lease, PerformError},
+    lease::Lease,
     store::{KeyRecord, Progress, Store},
     IdempotencyKey,
 };
@@ -32,9 +32,6 @@ fn bounded_point(point: &str) -> &str {
         None => point,
     }
 }
-
-/// A boxed error from a step's own work.
-pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// The key a provider gets for the outside call `step` of the operation held by `key`: the
 /// SHA-256 (hex) of the key's three parts and the step name, each length-prefixed. The same
@@ -121,83 +118,6 @@ impl Default for StepPolicy {
             retry_after: Duration::from_secs(1),
             calls_per_step: 3,
         }
-    }
-}
-
-/// Why a step, or a whole durable run, did not go on.
-///
-/// Inside an operation, propagate these with `?`, or match the ones your operation can answer
-/// (a declined call, a step not done) and [`fail`](Steps::fail) the operation.
-///
-/// ```
-/// use idempotency::StepError;
-/// let error = StepError::NotDone { step: "charge".into() };
-/// assert!(error.to_string().contains("charge"));
-/// ```
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum StepError {
-    /// Another worker (a retry, the resumer) holds the key now: this step was rolled back and this
-    /// run must stop.
-    #[error("the lease on the idempotency key was lost; the step was rolled back")]
-    LeaseLost,
-    /// An outside outcome is unknown: the key stays pending, and the resumer (or a retry after
-    /// `retry_after`) carries the operation on.
-    #[error("the operation is pending ({reason}); it is carried on in the background")]
-    Pending {
-        /// When to look again.
-        retry_after: Duration,
-        /// What is unknown.
-        reason: String,
-    },
-    /// The key was parked as *needs review* for an operator.
-    #[error("the operation needs review: {reason}")]
-    Parked {
-        /// Why.
-        reason: String,
-    },
-    /// A local step's own work failed (its transaction was rolled back).
-    #[error("step {step} failed: {source}")]
-    Local {
-        /// The step.
-        step: String,
-        /// Its error.
-        #[source]
-        source: BoxError,
-    },
-    /// An outside call was declined for good.
-    #[error("step {step} was declined: {reason}")]
-    Declined {
-        /// The step.
-        step: String,
-        /// The provider's reason.
-        reason: String,
-    },
-    /// An outside call did not take effect after [`StepPolicy::calls_per_step`] calls.
-    #[error("step {step} did not take effect")]
-    NotDone {
-        /// The step.
-        step: String,
-    },
-    /// The request is larger than [`MAX_STORED_REQUEST`].
-    #[error("the request has {size} bytes; a durable operation stores at most {limit}")]
-    RequestTooLarge {
-        /// Its canonical size.
-        size: usize,
-        /// The cap.
-        limit: usize,
-    },
-    /// The store failed.
-    #[error(transparent)]
-    Store(#[from] StoreError),
-    /// A step's output or the response could not be (de)serialised.
-    #[error("could not (de)serialise a step's output: {0}")]
-    Serialization(#[from] serde_json::Error),
-}
-
-impl From<sqlx::Error> for StepError {
-    fn from(error: sqlx::Error) -> Self {
-        StepError::Store(error.into())
     }
 }
 

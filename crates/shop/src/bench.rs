@@ -5,8 +5,9 @@
 //! of the machine) hit them alike; the ratios are printed, never asserted.
 
 use crate::{
-    app::{self, Config},
+    app,
     client::{Call, Client},
+    state::Config,
 };
 use anyhow::{bail, Context};
 use futures_util::future::join_all;

@@ -14,6 +14,7 @@
 #![warn(missing_docs)]
 
 pub mod app;
+pub mod auth;
 pub mod bench;
 pub mod client;
 pub mod db;
@@ -24,7 +25,9 @@ pub mod problem;
 pub mod protect;
 pub mod providers;
 pub mod purchase;
+pub mod router;
 pub mod routes;
+pub mod state;
 pub mod storm;
 pub mod tx;
 pub mod worker;

@@ -3,9 +3,10 @@
 
 use clap::{Parser, Subcommand};
 use shop::{
-    app::{self, Config},
+    app,
     bench::{self, BenchArgs},
     providers::Faults,
+    state::Config,
     storm::{self, StormArgs},
     worker::{self, WorkerArgs},
 };

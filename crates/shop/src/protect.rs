@@ -13,11 +13,8 @@
 //!
 //! [`BusinessTx`]: crate::tx::BusinessTx
 
-use crate::{
-    app::{App, Engine, UserId},
-    problem::BODY_LIMIT,
-};
-use axum::{http::Method, routing::MethodRouter};
+use crate::{auth::UserId, problem::BODY_LIMIT};
+use axum::http::Method;
 use idempotency::{Effects, Idempotency, Store};
 use idempotency_http::IdempotencyLayer;
 
@@ -38,7 +35,7 @@ pub struct KeyedRoute {
 ///
 /// ```no_run
 /// # async fn demo(store: idempotency::SqliteStore) {
-/// use shop::{app::PURCHASE, protect::layer};
+/// use shop::protect::{layer, PURCHASE};
 /// let layer = layer(idempotency::Idempotency::new(store), PURCHASE);
 /// # }
 /// ```
@@ -57,19 +54,24 @@ pub fn layer<S: Store>(engine: Idempotency<S>, route: KeyedRoute) -> Idempotency
         .with_detach(true)
 }
 
-/// Puts `handler` behind the idempotency layer for the shop's backend; with
-/// [`Config::wait_for_in_flight`](crate::app::Config::wait_for_in_flight), a duplicate of a request
-/// in flight waits for it (bounded) and gets its stored response instead of a 409.
-pub fn keyed(app: &App, route: KeyedRoute, handler: MethodRouter<App>) -> MethodRouter<App> {
-    match app.engine() {
-        Engine::Pg(engine) => handler.layer(waiting(app, layer(engine.clone(), route))),
-        Engine::Sqlite(engine) => handler.layer(waiting(app, layer(engine.clone(), route))),
-    }
-}
-
-fn waiting<S: Store>(app: &App, layer: IdempotencyLayer<S>) -> IdempotencyLayer<S> {
-    match app.wait_for_in_flight() {
-        Some(bound) => layer.with_wait_for_in_flight(bound),
-        None => layer,
-    }
-}
+/// Keyed routes and their key policies.
+pub const PURCHASE: KeyedRoute = KeyedRoute {
+    operation: "purchase",
+    // A durable operation with an outside step (the charge): its key is never taken over as
+    // abandoned local work nor released after a step took effect; a retry or the worker
+    // continues it from its recovery point (see `crate::purchase`).
+    effects: Effects::External,
+    journaled: true,
+};
+/// `POST /orders`.
+pub const CREATE_ORDER: KeyedRoute = KeyedRoute {
+    operation: "create-order",
+    effects: Effects::Local,
+    journaled: false,
+};
+/// `POST /emails`.
+pub const SEND_EMAIL: KeyedRoute = KeyedRoute {
+    operation: "send-email",
+    effects: Effects::External,
+    journaled: false,
+};

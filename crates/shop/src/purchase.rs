@@ -17,10 +17,10 @@
 //! failed.
 
 use crate::{
-    app::{PURCHASE, START_BALANCE_CENTS},
     db::{Backend, Conn},
     on_conn,
     problem::{Problem, ShopProblem},
+    protect::PURCHASE,
     providers::{Charge, PaymentProvider, ProviderError},
 };
 use axum::http::StatusCode;
@@ -28,6 +28,9 @@ use idempotency::{CallError, Finished, Lookup, Operation, StepError, Steps};
 use idempotency_http::StoredResponse;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
+
+/// Every user's balance before their first purchase.
+pub const START_BALANCE_CENTS: i64 = 100_000;
 
 /// What the shop sells: `(sku, price in cents)`.
 pub const CATALOG: &[(&str, i64)] = &[("tea", 450), ("coffee", 380), ("mug", 1_200), ("pencil", 1)];

@@ -9,16 +9,17 @@
 //! | `POST /emails` | Idempotency-Key on a provider *without* idempotency: an unknown outcome parks the key as *needs review* |
 
 use crate::{
-    app::{App, Engine, UserId, START_BALANCE_CENTS},
+    auth::UserId,
     db::Backend,
     on_conn,
     problem::{JsonBody, Problem, ShopProblem},
     providers::ProviderError,
     purchase::{
         debit, ensure_user, insert_order, mark_paid, place_order, price, Placed, Purchase,
-        PurchaseRequest,
+        PurchaseRequest, START_BALANCE_CENTS,
     },
-    tx::{BusinessTx, HeldKey},
+    state::{App, Engine},
+    tx::{no_tx, BusinessTx, HeldKey},
 };
 use axum::{
     extract::{rejection::PathRejection, Path, State},
@@ -50,15 +51,6 @@ impl OrderRequest {
     fn amount_cents(&self) -> Result<i64, Problem> {
         price(&self.sku, self.quantity)
     }
-}
-
-fn no_tx() -> Problem {
-    Problem::shop(
-        StatusCode::INTERNAL_SERVER_ERROR,
-        "no-transaction",
-        "No transaction",
-        "the request's transaction is gone",
-    )
 }
 
 fn path_problem(rejection: PathRejection) -> Problem {

@@ -25,11 +25,14 @@
 //! of the user's orders, for order payments).
 
 use crate::{
-    app::{self, Config, PURCHASE, START_BALANCE_CENTS},
+    app,
     client::{Answer, Call, Client},
     db::{self, ProviderDb, ShopDb},
     on_conn,
+    protect::PURCHASE,
     providers::Faults,
+    purchase::START_BALANCE_CENTS,
+    state::Config,
 };
 use anyhow::{bail, Context};
 use futures_util::future::join_all;

@@ -7,9 +7,9 @@
 //! backend, through [`BusinessTx::conn`].
 
 use crate::{
-    app::App,
     db::{Conn, Kind, Tx},
     problem::{Problem, ShopProblem},
+    state::App,
 };
 use axum::{
     extract::{FromRequestParts, Request, State},
@@ -64,7 +64,9 @@ impl PlainSlot {
     }
 }
 
-fn no_tx() -> Problem {
+/// 500: a handler asked for the request's transaction, and there is none (the route has no
+/// transaction layer, or the transaction was already taken).
+pub(crate) fn no_tx() -> Problem {
     Problem::shop(
         StatusCode::INTERNAL_SERVER_ERROR,
         "no-transaction",

@@ -7,11 +7,11 @@
 //! the last step).
 
 use crate::{
-    app::{App, Config, Engine},
     db::Backend,
     events::PurchaseEvents,
     outbox::{PurchasePaid, PURCHASES_QUEUE},
     providers::Faults,
+    state::{App, Config, Engine},
 };
 use anyhow::Context;
 use idempotency::{Consumer, DeadLetter, Decision, Idempotency};

@@ -7,7 +7,7 @@ mod common;
 use idempotency::{provider_key, IdempotencyKey};
 use idempotency_client::{IdempotencyMiddleware, Outcome, Probe, RequestKey, RetryPolicy};
 use serde_json::{json, Value};
-use shop::app::START_BALANCE_CENTS;
+use shop::purchase::START_BALANCE_CENTS;
 use std::{
     collections::HashMap,
     io::{BufRead, BufReader},

@@ -1,0 +1,199 @@
+//! The right to run the work for one key: [`Lease`].
+
+use crate::{
+    error::{Error, StoreError},
+    store::{Effects, KeyRecord, LeaseToken, Store},
+    IdempotencyKey,
+};
+use std::time::Duration;
+
+/// The right to run the work for one key, until the lease ends.
+///
+/// Dropping a lease that was neither finished, released nor parked (a panic, a cancelled future)
+/// *abandons* it: for [`Effects::Local`] work the key is released in a background task, so a
+/// cancelled request does not keep the key pending until its lease ends (nothing was committed:
+/// completion commits with the work). For [`Effects::External`] work the key is left pending, since
+/// the outside effect may have happened: the recovery job asks the provider once the lease ends, or
+/// parks the key for a human.
+#[derive(Debug)]
+pub struct Lease<S: Store> {
+    pub(crate) store: S,
+    pub(crate) key: IdempotencyKey,
+    pub(crate) token: LeaseToken,
+    pub(crate) effects: Effects,
+    pub(crate) retention: Duration,
+    pub(crate) armed: bool,
+    /// The row as it was when this lease took it over from an earlier holder (a durable
+    /// operation resumed by a retry or the resumer), with its journal.
+    pub(crate) resumed: Option<Box<KeyRecord>>,
+}
+
+impl<S: Store> Lease<S> {
+    /// The key held.
+    pub fn key(&self) -> &IdempotencyKey {
+        &self.key
+    }
+
+    /// Our lease token.
+    pub fn token(&self) -> LeaseToken {
+        self.token
+    }
+
+    /// Whether this lease took the key over from an earlier holder of a durable operation (its
+    /// steps continue from the recovery point).
+    pub fn is_resumed(&self) -> bool {
+        self.resumed.is_some()
+    }
+
+    pub(crate) fn store(&self) -> &S {
+        &self.store
+    }
+
+    /// The key was settled, parked or noted by other means: dropping the lease does nothing.
+    pub(crate) fn disarm(&mut self) {
+        self.armed = false;
+    }
+
+    /// Releases the key now if it is still pending with our token, logging a failure.
+    pub(crate) async fn release_now(&mut self) {
+        self.release_quietly().await;
+    }
+
+    /// Marks the key completed with `result` **inside** `tx` (only if still pending with our
+    /// token), then commits `tx`. If the lease was lost, rolls `tx` back and returns
+    /// [`Error::LeaseLost`]; if the commit fails, releases the key only if it is still pending
+    /// (a lost COMMIT acknowledgement may hide a commit that happened).
+    pub async fn finish(
+        mut self,
+        mut tx: sqlx::Transaction<'static, S::Database>,
+        result: &[u8],
+    ) -> Result<(), Error> {
+        let completed = self
+            .store
+            .complete(&mut tx, &self.key, self.token, result, self.retention)
+            .await;
+        match completed {
+            Ok(true) => {}
+            Ok(false) => {
+                self.armed = false;
+                let _ = tx.rollback().await;
+                return Err(Error::LeaseLost);
+            }
+            Err(e) => {
+                let _ = tx.rollback().await;
+                self.release_quietly().await;
+                return Err(e.into());
+            }
+        }
+        match tx.commit().await {
+            Ok(()) => {
+                self.armed = false;
+                Ok(())
+            }
+            Err(e) => {
+                self.release_quietly().await;
+                Err(StoreError::from(e).into())
+            }
+        }
+    }
+
+    /// Releases the key if it is still pending with our token. Returns whether it was released.
+    ///
+    /// A lease that [resumed](Self::is_resumed) a durable operation never releases: steps of
+    /// that operation took effect, and deleting the key would lose its journal. Its key stays
+    /// pending with our token until the lease ends; then the resumer carries it on.
+    pub async fn release(mut self) -> Result<bool, StoreError> {
+        self.armed = false;
+        if self.keeps_progress() {
+            return Ok(false);
+        }
+        self.store.release(&self.key, self.token).await
+    }
+
+    /// Whether this lease holds recorded progress that a release would lose (see
+    /// [`release`](Self::release)).
+    fn keeps_progress(&self) -> bool {
+        if self.resumed.is_some() {
+            tracing::warn!(key = %self.key, "a resumed durable operation is never released; it stays pending for the resumer");
+            return true;
+        }
+        false
+    }
+
+    /// Gives the key up **without releasing it**: it stays pending until its lease ends, and
+    /// then the recovery job settles it (asking the provider, or parking it for review). For
+    /// work whose outside effect may have happened and nobody knows (a handler that failed or
+    /// panicked after calling a provider).
+    ///
+    /// ```no_run
+    /// # async fn demo(lease: idempotency::Lease<idempotency::SqliteStore>) {
+    /// lease.leave_pending();
+    /// # }
+    /// ```
+    pub fn leave_pending(mut self) {
+        self.armed = false;
+        tracing::warn!(key = %self.key, "outcome unknown; the key stays pending for the recovery job");
+    }
+
+    /// Parks the key as `needs_review` if it is still pending with our token.
+    pub async fn park(mut self, reason: &str) -> Result<bool, StoreError> {
+        self.armed = false;
+        self.store.park(&self.key, self.token, reason).await
+    }
+
+    /// The work was abandoned (panic): release a local key, leave an external one pending.
+    pub(crate) async fn abandon(&mut self) {
+        if self.effects == Effects::External {
+            self.armed = false;
+            tracing::warn!(key = %self.key, "external work abandoned; the key stays pending for the recovery job");
+            return;
+        }
+        self.release_quietly().await;
+    }
+
+    pub(crate) async fn release_quietly(&mut self) {
+        self.armed = false;
+        if self.keeps_progress() {
+            return;
+        }
+        if let Err(error) = self.store.release(&self.key, self.token).await {
+            tracing::warn!(%error, key = %self.key, "could not release idempotency key; it stays pending until its lease ends");
+        }
+    }
+}
+
+impl<S: Store> Lease<S> {
+    /// From a drop: releases the key in a task of its own (a drop cannot wait).
+    pub(crate) fn release_in_background(&mut self) {
+        self.armed = false;
+        if self.keeps_progress() {
+            return;
+        }
+        let (store, key, token) = (self.store.clone(), self.key.clone(), self.token);
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                runtime.spawn(async move {
+                    if let Err(error) = store.release(&key, token).await {
+                        tracing::warn!(%error, %key, "could not release abandoned idempotency key");
+                    }
+                });
+            }
+            Err(_) => {
+                tracing::warn!(%key, "idempotency lease dropped outside a tokio runtime; the key stays pending until its lease ends")
+            }
+        }
+    }
+}
+
+impl<S: Store> Drop for Lease<S> {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        if self.effects == Effects::External {
+            tracing::warn!(key = %self.key, "external work abandoned (cancelled); the key stays pending for the recovery job");
+            return;
+        }
+        self.release_in_background();
+    }
+}

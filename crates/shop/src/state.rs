@@ -1,0 +1,199 @@
+//! The service's shared state ([`App`]) and its configuration ([`Config`]).
+
+use crate::{
+    db::{self, Kind, ProviderDb, ShopDb},
+    events::PurchaseEvents,
+    providers::{Faults, MailProvider, PaymentProvider},
+    purchase::Purchase,
+};
+use idempotency::{Idempotency, MaintenanceWorker, Operations, PgStore, SqliteStore, WorkerHandle};
+use std::{sync::Arc, time::Duration};
+
+/// How the service is configured.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// `sqlite://FILE` or `postgres://…`.
+    pub database_url: String,
+    /// Payment provider faults.
+    pub payment: Faults,
+    /// Mail provider faults.
+    pub mail: Faults,
+    /// Also mount `POST /unprotected/purchases` (the purchase handler without the idempotency middleware), for
+    /// the benchmark.
+    pub bench_routes: bool,
+    /// Size of the shop's connection pool (PostgreSQL).
+    pub max_connections: u32,
+    /// Serve `POST /purchases` **without** the idempotency middleware (a deliberately broken shop, to show that
+    /// the storm catches double charges).
+    pub unguarded_purchases: bool,
+    /// How long a request may hold its key before another may take it over (local routes) or
+    /// the recovery job may look at it (external routes).
+    pub lease: Duration,
+    /// The pause between passes of the maintenance worker (resume, recover, purge); `None`
+    /// runs no worker.
+    pub worker_interval: Option<Duration>,
+    /// How long a duplicate of a keyed request still in flight waits for it, to answer with its
+    /// stored response instead of a 409 (`IdempotencyLayer::with_wait_for_in_flight`); `None`: 409 at
+    /// once.
+    pub wait_for_in_flight: Option<Duration>,
+    /// The broker the outbox relay publishes purchase events to (`amqp://…`); `None`: no
+    /// outbox rows are written and no relay runs.
+    pub amqp_url: Option<String>,
+    /// The share of outbox rows the relay publishes twice on purpose (fault proof).
+    pub outbox_duplicate_share: f64,
+}
+
+impl Config {
+    /// Defaults for a database URL: no faults, no bench routes.
+    pub fn new(database_url: impl Into<String>) -> Self {
+        Self {
+            database_url: database_url.into(),
+            payment: Faults::default(),
+            mail: Faults::default(),
+            bench_routes: false,
+            max_connections: 16,
+            unguarded_purchases: false,
+            lease: Duration::from_secs(30),
+            worker_interval: Some(Duration::from_secs(1)),
+            wait_for_in_flight: None,
+            amqp_url: None,
+            outbox_duplicate_share: 0.0,
+        }
+    }
+}
+
+/// The idempotency engine on the shop's backend.
+#[derive(Debug, Clone)]
+pub enum Engine {
+    /// On PostgreSQL.
+    Pg(Idempotency<PgStore>),
+    /// On SQLite.
+    Sqlite(Idempotency<SqliteStore>),
+}
+
+struct Inner {
+    db: ShopDb,
+    engine: Engine,
+    providers: ProviderDb,
+    payment: PaymentProvider,
+    mail: MailProvider,
+    purchase: Arc<Purchase>,
+    events: Arc<PurchaseEvents>,
+    wait_for_in_flight: Option<Duration>,
+}
+
+/// Shared state of the service.
+#[derive(Clone)]
+pub struct App(Arc<Inner>);
+
+impl std::fmt::Debug for App {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("App")
+            .field("db", &self.0.db.kind())
+            .finish()
+    }
+}
+
+impl App {
+    /// Connects, migrates (the idempotency key table, the shop's and the providers' tables) and
+    /// builds the state.
+    pub async fn connect(config: &Config) -> anyhow::Result<Self> {
+        let (db, providers) = db::connect(&config.database_url, config.max_connections).await?;
+        db.migrate().await?;
+        providers.migrate().await?;
+        let lease = config.lease;
+        let engine = match &db {
+            ShopDb::Pg(store) => Engine::Pg(Idempotency::new(store.clone()).with_lease(lease)),
+            ShopDb::Sqlite(store) => {
+                Engine::Sqlite(Idempotency::new(store.clone()).with_lease(lease))
+            }
+        };
+        let payment = PaymentProvider::new(providers.clone(), config.payment);
+        Ok(Self(Arc::new(Inner {
+            purchase: Arc::new(Purchase::new(payment.clone(), config.amqp_url.is_some())),
+            payment,
+            mail: MailProvider::new(providers.clone(), config.mail),
+            events: Arc::new(PurchaseEvents::new(MailProvider::new(
+                providers.clone(),
+                config.mail,
+            ))),
+            db,
+            engine,
+            providers,
+            wait_for_in_flight: config.wait_for_in_flight,
+        })))
+    }
+
+    /// The shop's database.
+    pub fn db(&self) -> &ShopDb {
+        &self.0.db
+    }
+
+    /// The idempotency engine.
+    pub fn engine(&self) -> &Engine {
+        &self.0.engine
+    }
+
+    /// The providers' database.
+    pub fn providers(&self) -> &ProviderDb {
+        &self.0.providers
+    }
+
+    /// The payment provider.
+    pub fn payment(&self) -> &PaymentProvider {
+        &self.0.payment
+    }
+
+    /// The mail provider.
+    pub fn mail(&self) -> &MailProvider {
+        &self.0.mail
+    }
+
+    /// The durable purchase operation.
+    pub fn purchase(&self) -> &Purchase {
+        &self.0.purchase
+    }
+
+    /// The durable operation `shop worker` runs per purchase event (registered with the
+    /// maintenance worker too, which carries on an event whose worker died).
+    pub fn purchase_events(&self) -> &Arc<PurchaseEvents> {
+        &self.0.events
+    }
+
+    /// Starts the maintenance worker: purchases (and purchase events) whose client or process
+    /// went away are carried on from their recovery point, abandoned local keys released, e-mails of unknown outcome
+    /// parked, expired keys purged.
+    pub fn spawn_worker(&self, interval: Duration) -> WorkerHandle {
+        match self.engine() {
+            Engine::Pg(engine) => MaintenanceWorker::new(engine.store().clone())
+                .with_operations(
+                    engine.clone(),
+                    Operations::new()
+                        .with_shared(self.0.purchase.clone())
+                        .with_shared(self.0.events.clone()),
+                )
+                .with_interval(interval)
+                .spawn(),
+            Engine::Sqlite(engine) => MaintenanceWorker::new(engine.store().clone())
+                .with_operations(
+                    engine.clone(),
+                    Operations::new()
+                        .with_shared(self.0.purchase.clone())
+                        .with_shared(self.0.events.clone()),
+                )
+                .with_interval(interval)
+                .spawn(),
+        }
+    }
+
+    /// How long a duplicate of a keyed request in flight waits for it (see
+    /// [`Config::wait_for_in_flight`]).
+    pub fn wait_for_in_flight(&self) -> Option<Duration> {
+        self.0.wait_for_in_flight
+    }
+
+    /// Which backend.
+    pub fn kind(&self) -> Kind {
+        self.0.db.kind()
+    }
+}
