@@ -315,13 +315,19 @@ async fn execute<S: Maintenance>(store: &S, command: Command) -> Result<()> {
 }
 
 async fn list<S: Maintenance>(store: &S, args: ListArgs) -> Result<()> {
-    let filter = KeyFilter {
-        state: args.state.map(KeyState::from),
-        scope: args.scope,
-        operation: args.operation,
-        older_than: args.older_than,
-        limit: args.limit,
-    };
+    let mut filter = KeyFilter::default().with_limit(args.limit);
+    if let Some(state) = args.state {
+        filter = filter.with_state(KeyState::from(state));
+    }
+    if let Some(scope) = args.scope {
+        filter = filter.with_scope(scope);
+    }
+    if let Some(operation) = args.operation {
+        filter = filter.with_operation(operation);
+    }
+    if let Some(age) = args.older_than {
+        filter = filter.with_older_than(age);
+    }
     let records = store.list(&filter).await?;
     if args.json.json {
         let rows: Vec<_> = records.iter().map(render::record_json).collect();

@@ -20,26 +20,26 @@ use std::{fmt, sync::Arc, time::Duration};
 /// use idempotency_client::RetryPolicy;
 /// use std::time::Duration;
 /// let policy = RetryPolicy::default();
-/// assert_eq!(policy.max_attempts, 5);
-/// assert_eq!(policy.deadline, Duration::from_secs(30));
+/// assert_eq!(policy.max_attempts(), 5);
+/// assert_eq!(policy.deadline(), Duration::from_secs(30));
 /// let patient = policy.with_max_attempts(20).with_deadline(Duration::from_secs(120));
-/// assert_eq!(patient.max_attempts, 20);
+/// assert_eq!(patient.max_attempts(), 20);
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RetryPolicy {
     /// Requests sent at most, the first included (at least 1). Default 5.
-    pub max_attempts: u32,
+    pub(crate) max_attempts: u32,
     /// The whole operation's budget, pauses included, from its first request (default 30 s). An
     /// attempt still running at the deadline is cut (reqwest's timeout is lowered to what is
     /// left when the request has one; otherwise the attempt is abandoned with
     /// [`IdempotencyError::Deadline`](crate::IdempotencyError::Deadline)); no pause is begun that
     /// would end past it.
-    pub deadline: Duration,
+    pub(crate) deadline: Duration,
     /// The backoff's first ceiling (default 100 ms): retry `n` (from 0) waits a uniformly random
     /// time in `[0, min(backoff_max, backoff_min × 2ⁿ)]` ("full jitter").
-    pub backoff_min: Duration,
+    pub(crate) backoff_min: Duration,
     /// The backoff's largest ceiling (default 5 s).
-    pub backoff_max: Duration,
+    pub(crate) backoff_max: Duration,
 }
 
 impl Default for RetryPolicy {
@@ -54,10 +54,30 @@ impl Default for RetryPolicy {
 }
 
 impl RetryPolicy {
+    /// Requests sent at most, the first included (default 5).
+    pub fn max_attempts(&self) -> u32 {
+        self.max_attempts
+    }
+
+    /// The whole operation's budget, pauses included (default 30 s).
+    pub fn deadline(&self) -> Duration {
+        self.deadline
+    }
+
+    /// The backoff's first ceiling (default 100 ms).
+    pub fn backoff_min(&self) -> Duration {
+        self.backoff_min
+    }
+
+    /// The backoff's largest ceiling (default 5 s).
+    pub fn backoff_max(&self) -> Duration {
+        self.backoff_max
+    }
+
     /// One attempt, no retry: the answer or error of the first request, with its [`Outcome`](crate::Outcome).
     ///
     /// ```
-    /// assert_eq!(idempotency_client::RetryPolicy::once().max_attempts, 1);
+    /// assert_eq!(idempotency_client::RetryPolicy::once().max_attempts(), 1);
     /// ```
     pub fn once() -> Self {
         Self {
@@ -66,13 +86,13 @@ impl RetryPolicy {
         }
     }
 
-    /// Sets [`max_attempts`](Self::with_max_attempts) (0 counts as 1).
+    /// Sets [`max_attempts`](Self::max_attempts) (0 counts as 1).
     pub fn with_max_attempts(mut self, attempts: u32) -> Self {
         self.max_attempts = attempts.max(1);
         self
     }
 
-    /// Sets [`deadline`](Self::with_deadline).
+    /// Sets [`deadline`](Self::deadline).
     pub fn with_deadline(mut self, deadline: Duration) -> Self {
         self.deadline = deadline;
         self
@@ -84,7 +104,7 @@ impl RetryPolicy {
     /// ```
     /// use std::time::Duration;
     /// let policy = idempotency_client::RetryPolicy::default().with_backoff(Duration::from_millis(20), Duration::from_secs(1));
-    /// assert_eq!(policy.backoff_min, Duration::from_millis(20));
+    /// assert_eq!(policy.backoff_min(), Duration::from_millis(20));
     /// ```
     pub fn with_backoff(mut self, min: Duration, max: Duration) -> Self {
         self.backoff_min = min;

@@ -95,20 +95,58 @@ pub enum Lookup<T> {
 ///
 /// ```
 /// use idempotency::StepPolicy;
+/// use std::time::Duration;
 /// let policy = StepPolicy::default();
-/// assert_eq!(policy.max_unknown, 5);
-/// assert_eq!(policy.calls_per_step, 3);
+/// assert_eq!(policy.max_unknown(), 5);
+/// assert_eq!(policy.calls_per_step(), 3);
+/// let patient = policy.with_max_unknown(10).with_retry_after(Duration::from_secs(5));
+/// assert_eq!(patient.max_unknown(), 10);
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StepPolicy {
     /// How many times an outcome may be unknown (a suspended run, a resume that still cannot tell)
     /// before the key is parked as *needs review*.
-    pub max_unknown: u32,
+    pub(crate) max_unknown: u32,
     /// How long a key whose outcome is unknown waits before the resumer (or a retry) looks again.
-    pub retry_after: Duration,
+    pub(crate) retry_after: Duration,
     /// How many calls one run makes for a step whose provider says *not done*, before the step
     /// fails with [`StepError::NotDone`].
-    pub calls_per_step: u32,
+    pub(crate) calls_per_step: u32,
+}
+
+impl StepPolicy {
+    /// How many times an outcome may be unknown before the key is parked as *needs review* (default 5).
+    pub fn max_unknown(&self) -> u32 {
+        self.max_unknown
+    }
+
+    /// How long a key whose outcome is unknown waits before it is looked at again (default 1 s).
+    pub fn retry_after(&self) -> Duration {
+        self.retry_after
+    }
+
+    /// How many calls one run makes for a step whose provider says *not done* (default 3).
+    pub fn calls_per_step(&self) -> u32 {
+        self.calls_per_step
+    }
+
+    /// Parks the key as *needs review* once its outcome was unknown `max_unknown` times.
+    pub fn with_max_unknown(mut self, max_unknown: u32) -> Self {
+        self.max_unknown = max_unknown;
+        self
+    }
+
+    /// Looks again at a key whose outcome is unknown after `retry_after`.
+    pub fn with_retry_after(mut self, retry_after: Duration) -> Self {
+        self.retry_after = retry_after;
+        self
+    }
+
+    /// Makes at most `calls_per_step` calls per run for a step whose provider says *not done*.
+    pub fn with_calls_per_step(mut self, calls_per_step: u32) -> Self {
+        self.calls_per_step = calls_per_step;
+        self
+    }
 }
 
 impl Default for StepPolicy {

@@ -538,37 +538,28 @@ async fn list_and_stats_see_the_table<S: Harness + Maintenance>(store: S) {
     let all = store.list(&KeyFilter::default()).await.unwrap();
     assert_eq!(all.len(), 2);
     let pending = store
-        .list(&KeyFilter {
-            state: Some(KeyState::Pending),
-            ..KeyFilter::default()
-        })
+        .list(&KeyFilter::default().with_state(KeyState::Pending))
         .await
         .unwrap();
     assert_eq!(pending.len(), 1);
     assert_eq!(pending[0].key.scope(), "bob");
     let alice = store
-        .list(&KeyFilter {
-            scope: Some("alice".into()),
-            operation: Some("purchase".into()),
-            ..KeyFilter::default()
-        })
+        .list(
+            &KeyFilter::default()
+                .with_scope("alice")
+                .with_operation("purchase"),
+        )
         .await
         .unwrap();
     assert_eq!(alice.len(), 1);
     assert_eq!(alice[0].state, KeyState::Completed);
     let old = store
-        .list(&KeyFilter {
-            older_than: Some(Duration::from_secs(3600)),
-            ..KeyFilter::default()
-        })
+        .list(&KeyFilter::default().with_older_than(Duration::from_secs(3600)))
         .await
         .unwrap();
     assert!(old.is_empty(), "nothing is an hour old");
     let limited = store
-        .list(&KeyFilter {
-            limit: 1,
-            ..KeyFilter::default()
-        })
+        .list(&KeyFilter::default().with_limit(1))
         .await
         .unwrap();
     assert_eq!(limited.len(), 1);

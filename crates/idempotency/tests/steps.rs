@@ -523,10 +523,7 @@ fn key_of(operation: &str, client_key: &str) -> IdempotencyKey {
 }
 
 fn policy() -> StepPolicy {
-    StepPolicy {
-        retry_after: Duration::from_millis(50),
-        ..StepPolicy::default()
-    }
+    StepPolicy::default().with_retry_after(Duration::from_millis(50))
 }
 
 fn engine<S: Store>(store: &S, lease: Duration) -> Idempotency<S> {
@@ -961,11 +958,10 @@ async fn unknown_outcomes_end_in_review_never_in_a_release<S: Harness + Maintena
     let provider = Provider::default();
     provider.always(Answer::LostBefore);
     provider.lookups_unknown();
-    let policy = StepPolicy {
-        max_unknown: 3,
-        retry_after: Duration::from_millis(500),
-        calls_per_step: 3,
-    };
+    let policy = StepPolicy::default()
+        .with_max_unknown(3)
+        .with_retry_after(Duration::from_millis(500))
+        .with_calls_per_step(3);
     let engine = Idempotency::new(store.clone())
         .with_lease(LEASE)
         .with_step_policy(policy);
@@ -981,7 +977,7 @@ async fn unknown_outcomes_end_in_review_never_in_a_release<S: Harness + Maintena
             retry_after,
             reason,
         }) => {
-            assert_eq!(*retry_after, policy.retry_after);
+            assert_eq!(*retry_after, policy.retry_after());
             assert!(reason.contains("charge"), "{reason}");
         }
         other => panic!("{}: expected Pending, got {other:?}", S::NAME),
@@ -1065,7 +1061,7 @@ async fn unknown_outcomes_end_in_review_never_in_a_release<S: Harness + Maintena
     assert!(reason.contains("unknown 3 times"), "{reason}");
 
     // Parked is final: later passes leave it, and a retry is refused.
-    tokio::time::sleep(policy.retry_after).await;
+    tokio::time::sleep(policy.retry_after()).await;
     assert_eq!(
         recovery.run_once().await.unwrap(),
         RecoveryReport::default()

@@ -10,25 +10,81 @@ use std::{future::Future, time::Duration};
 /// ```
 /// use idempotency::{KeyFilter, KeyState};
 /// use std::time::Duration;
-/// let filter = KeyFilter {
-///     state: Some(KeyState::NeedsReview),
-///     older_than: Some(Duration::from_secs(300)),
-///     ..KeyFilter::default()
-/// };
-/// assert_eq!(filter.limit, 100);
+/// let filter = KeyFilter::default()
+///     .with_state(KeyState::NeedsReview)
+///     .with_older_than(Duration::from_secs(300));
+/// assert_eq!(filter.limit(), 100);
+/// assert_eq!(filter.state(), Some(KeyState::NeedsReview));
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KeyFilter {
     /// Only rows in this state.
-    pub state: Option<KeyState>,
+    pub(crate) state: Option<KeyState>,
     /// Only rows of this scope.
-    pub scope: Option<String>,
+    pub(crate) scope: Option<String>,
     /// Only rows of this operation.
-    pub operation: Option<String>,
+    pub(crate) operation: Option<String>,
     /// Only rows created at least this long ago (`created_at <= now() - older_than`).
-    pub older_than: Option<Duration>,
+    pub(crate) older_than: Option<Duration>,
     /// At most this many rows (oldest `created_at` first).
-    pub limit: u32,
+    pub(crate) limit: u32,
+}
+
+impl KeyFilter {
+    /// Only rows in this state.
+    pub fn state(&self) -> Option<KeyState> {
+        self.state
+    }
+
+    /// Only rows of this scope.
+    pub fn scope(&self) -> Option<&str> {
+        self.scope.as_deref()
+    }
+
+    /// Only rows of this operation.
+    pub fn operation(&self) -> Option<&str> {
+        self.operation.as_deref()
+    }
+
+    /// Only rows created at least this long ago (`created_at <= now() - older_than`).
+    pub fn older_than(&self) -> Option<Duration> {
+        self.older_than
+    }
+
+    /// At most this many rows, oldest `created_at` first (default 100).
+    pub fn limit(&self) -> u32 {
+        self.limit
+    }
+
+    /// Keeps only rows in `state`.
+    pub fn with_state(mut self, state: KeyState) -> Self {
+        self.state = Some(state);
+        self
+    }
+
+    /// Keeps only rows of `scope`.
+    pub fn with_scope(mut self, scope: impl Into<String>) -> Self {
+        self.scope = Some(scope.into());
+        self
+    }
+
+    /// Keeps only rows of `operation`.
+    pub fn with_operation(mut self, operation: impl Into<String>) -> Self {
+        self.operation = Some(operation.into());
+        self
+    }
+
+    /// Keeps only rows created at least `age` ago.
+    pub fn with_older_than(mut self, age: Duration) -> Self {
+        self.older_than = Some(age);
+        self
+    }
+
+    /// Returns at most `limit` rows.
+    pub fn with_limit(mut self, limit: u32) -> Self {
+        self.limit = limit;
+        self
+    }
 }
 
 impl Default for KeyFilter {
