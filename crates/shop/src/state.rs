@@ -1,12 +1,14 @@
 //! The service's shared state ([`App`]) and its configuration ([`Config`]).
 
 use crate::{
-    db::{self, Kind, ProviderDb, ShopDb},
+    db::{self, Backend, Kind, ProviderDb, ShopDb},
     events::PurchaseEvents,
     providers::{Faults, MailProvider, PaymentProvider},
     purchase::Purchase,
 };
-use idempotency::{Idempotency, MaintenanceWorker, Operations, PgStore, SqliteStore, WorkerHandle};
+use idempotency::{
+    Idempotency, Maintenance, MaintenanceWorker, Operations, PgStore, SqliteStore, WorkerHandle,
+};
 use std::{sync::Arc, time::Duration};
 
 /// How the service is configured.
@@ -165,25 +167,25 @@ impl App {
     /// parked, expired keys purged.
     pub fn spawn_worker(&self, interval: Duration) -> WorkerHandle {
         match self.engine() {
-            Engine::Pg(engine) => MaintenanceWorker::new(engine.store().clone())
-                .with_operations(
-                    engine.clone(),
-                    Operations::new()
-                        .with_shared(self.0.purchase.clone())
-                        .with_shared(self.0.events.clone()),
-                )
-                .with_interval(interval)
-                .spawn(),
-            Engine::Sqlite(engine) => MaintenanceWorker::new(engine.store().clone())
-                .with_operations(
-                    engine.clone(),
-                    Operations::new()
-                        .with_shared(self.0.purchase.clone())
-                        .with_shared(self.0.events.clone()),
-                )
-                .with_interval(interval)
-                .spawn(),
+            Engine::Pg(engine) => self.worker_on(engine, interval),
+            Engine::Sqlite(engine) => self.worker_on(engine, interval),
         }
+    }
+
+    fn worker_on<S: Maintenance + Backend>(
+        &self,
+        engine: &Idempotency<S>,
+        interval: Duration,
+    ) -> WorkerHandle {
+        MaintenanceWorker::new(engine.store().clone())
+            .with_operations(
+                engine.clone(),
+                Operations::new()
+                    .with_shared(self.0.purchase.clone())
+                    .with_shared(self.0.events.clone()),
+            )
+            .with_interval(interval)
+            .spawn()
     }
 
     /// How long a duplicate of a keyed request in flight waits for it (see

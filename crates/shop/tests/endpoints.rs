@@ -26,6 +26,30 @@ async fn ledger(base: &str, user: &str) -> Value {
     r.body
 }
 
+/// Places an order of two teas for `user` and pays it; its id.
+async fn paid_order(base: &str, user: &str) -> i64 {
+    let order = send(
+        "POST",
+        &format!("{base}/orders"),
+        Some(user),
+        Some(&key()),
+        Some(TEA2),
+    )
+    .await;
+    assert_eq!(order.status, 201, "{order:?}");
+    let id = order.body["order_id"].as_i64().unwrap();
+    let paid = send(
+        "POST",
+        &format!("{base}/orders/{id}/pay"),
+        Some(user),
+        None,
+        None,
+    )
+    .await;
+    assert_eq!(paid.status, 200, "{paid:?}");
+    id
+}
+
 /// `/healthz` names the backend; purchases need a valid user.
 async fn health_and_authentication(kind: &str) {
     let Some(shop) = common::fresh_shop(kind).await else {
@@ -310,26 +334,8 @@ async fn one_point_grant_per_order(kind: &str) {
     let orders = format!("{base}/orders");
     let alice = "alice";
     // Two paid orders and an unpaid one.
-    let paid_order = |n| {
-        let (orders, base) = (orders.clone(), base.to_owned());
-        async move {
-            let order = send("POST", &orders, Some(alice), Some(&key()), Some(TEA2)).await;
-            assert_eq!(order.status, 201, "order {n}: {order:?}");
-            let id = order.body["order_id"].as_i64().unwrap();
-            let paid = send(
-                "POST",
-                &format!("{base}/orders/{id}/pay"),
-                Some(alice),
-                None,
-                None,
-            )
-            .await;
-            assert_eq!(paid.status, 200, "{paid:?}");
-            id
-        }
-    };
-    let id = paid_order(1).await;
-    let id2 = paid_order(2).await;
+    let id = paid_order(base, alice).await;
+    let id2 = paid_order(base, alice).await;
     let grants = format!("{base}/points/grants");
     let unpaid = send("POST", &orders, Some(alice), Some(&key()), Some(TEA2)).await;
     let unpaid_id = unpaid.body["order_id"].as_i64().unwrap();
@@ -442,31 +448,11 @@ async fn the_ledger_is_read_from_the_tables_by_its_owner_only(kind: &str) {
     };
     let base = shop.url.as_str();
     let purchases = format!("{base}/purchases");
-    let orders = format!("{base}/orders");
     let alice = "alice";
     // One purchase, one paid order with 50 points, one e-mail.
     let bought = send("POST", &purchases, Some(alice), Some(&key()), Some(TEA2)).await;
     assert_eq!(bought.status, 201, "{bought:?}");
-    // Two paid orders and an unpaid one.
-    let paid_order = |n| {
-        let (orders, base) = (orders.clone(), base.to_owned());
-        async move {
-            let order = send("POST", &orders, Some(alice), Some(&key()), Some(TEA2)).await;
-            assert_eq!(order.status, 201, "order {n}: {order:?}");
-            let id = order.body["order_id"].as_i64().unwrap();
-            let paid = send(
-                "POST",
-                &format!("{base}/orders/{id}/pay"),
-                Some(alice),
-                None,
-                None,
-            )
-            .await;
-            assert_eq!(paid.status, 200, "{paid:?}");
-            id
-        }
-    };
-    let id = paid_order(1).await;
+    let id = paid_order(base, alice).await;
     let grant = send(
         "POST",
         &format!("{base}/points/grants"),
