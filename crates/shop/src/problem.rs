@@ -89,7 +89,8 @@ impl ShopProblem for Problem {
 }
 
 /// A JSON body whose rejections are problem documents: bad JSON → 400, wrong shape → 422,
-/// missing `Content-Type: application/json` → 415, too large → 413.
+/// missing `Content-Type: application/json` → 415, too large → 413. A rejection releases the
+/// key of a keyed route (the handler never ran), whatever the route's effects.
 #[derive(Debug, Clone)]
 pub struct JsonBody<T>(pub T);
 
@@ -99,7 +100,8 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for JsonBody<T> {
     async fn from_request(req: Request, state: &S) -> Result<Self, Problem> {
         match Json::<T>::from_request(req, state).await {
             Ok(Json(value)) => Ok(JsonBody(value)),
-            Err(rejection) => Err(json_problem(&rejection)),
+            // The handler never ran: nothing happened that a retry could duplicate.
+            Err(rejection) => Err(json_problem(&rejection).with_disposition(Disposition::Release)),
         }
     }
 }

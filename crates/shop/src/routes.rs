@@ -12,7 +12,7 @@ use crate::{
     auth::UserId,
     db::Backend,
     on_conn,
-    problem::{JsonBody, Problem, ShopProblem},
+    problem::{Disposition, JsonBody, Problem, ShopProblem},
     providers::ProviderError,
     purchase::{
         debit, ensure_user, insert_order, mark_paid, place_order, price, Placed, Purchase,
@@ -442,7 +442,10 @@ pub struct EmailRequest {
 
 /// `POST /emails`: sends through the mail provider, which has no idempotency support. When the
 /// call fails the message may have gone out, so the key is **parked** as *needs review* instead
-/// of released: a retry answers 409 instead of sending again.
+/// of released: a retry answers 409 instead of sending again. A request refused before the call
+/// (an invalid recipient or message) releases its key: nothing was sent, and the route's
+/// default for an unstored answer (keep the key pending for the recovery job, which would park
+/// it) is for answers after the call.
 pub async fn send_email(
     State(app): State<App>,
     Extension(user): Extension<UserId>,
@@ -456,14 +459,16 @@ pub async fn send_email(
             "invalid-recipient",
             "Invalid recipient",
             format!("{to:?} is not an e-mail address"),
-        ));
+        )
+        .with_disposition(Disposition::Release));
     }
     if request.subject.is_empty() || request.subject.len() > 200 || request.body.len() > 8192 {
         return Err(Problem::unprocessable(
             "invalid-message",
             "Invalid message",
             "the subject needs 1 to 200 bytes and the body at most 8192",
-        ));
+        )
+        .with_disposition(Disposition::Release));
     }
     let message_id = match app
         .mail()
@@ -479,7 +484,7 @@ pub async fn send_email(
                 "Mail outcome unknown",
                 format!("{e}; the mail provider cannot deduplicate, so this key is parked for review instead of being retried"),
             )
-            .with_disposition(crate::problem::Disposition::Park(format!("mail provider: {e}"))))
+            .with_disposition(Disposition::Park(format!("mail provider: {e}"))))
         }
     };
     let email_id: i64 = on_conn!(tx.conn(), |c| {
