@@ -164,6 +164,12 @@ impl Problem {
         self
     }
 
+    /// The JSON document (`{}` if it cannot be serialised, which a map of JSON values cannot
+    /// cause).
+    fn document(&self) -> Vec<u8> {
+        serde_json::to_vec(self).unwrap_or_else(|_| b"{}".to_vec())
+    }
+
     /// The problem as a response kept with a key (for example a durable operation's definitive
     /// answer): status, `Content-Type` and the document (no `Retry-After`).
     ///
@@ -177,7 +183,7 @@ impl Problem {
         StoredResponse {
             status: self.status.as_u16(),
             headers: vec![("content-type".into(), PROBLEM_JSON.into())],
-            body: serde_json::to_vec(self).unwrap_or_else(|_| b"{}".to_vec()),
+            body: self.document(),
         }
     }
 
@@ -230,7 +236,7 @@ impl Problem {
     /// assert_eq!(r.status(), 404);
     /// ```
     pub fn into_http_response(self) -> Response<Body> {
-        let body = serde_json::to_vec(&self).unwrap_or_else(|_| b"{}".to_vec());
+        let body = self.document();
         let mut response = Response::new(Body::from(body));
         *response.status_mut() = self.status;
         let headers = response.headers_mut();
