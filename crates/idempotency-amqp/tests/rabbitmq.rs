@@ -1,5 +1,5 @@
-//! The consumer against a real RabbitMQ (`TEST_AMQP_URL`), with SQLite and (when
-//! `TEST_POSTGRES_URL` is set) PostgreSQL stores: duplicates applied once by competing consumers,
+//! The consumer against a real RabbitMQ (`TEST_AMQP_URL`), with a store on every backend for
+//! duplicates applied once by competing consumers, and SQLite for the rest:
 //! poison and mismatched messages dead-lettered with their reason, a graceful shutdown, and a
 //! crash between the commit and the ack.
 
@@ -8,7 +8,7 @@ mod common;
 use common::{
     broker, delete, json_properties, publish, publisher, ready, unique, wait_until, Backend, WAIT,
 };
-use idempotency::{Consumer, Decision, Idempotency, PgStore, SqliteStore};
+use idempotency::{Consumer, Decision, Idempotency, SqliteStore};
 use idempotency_amqp::{headers, AmqpConsumer, Incoming, Topology};
 use lapin::{
     options::BasicGetOptions,
@@ -64,24 +64,17 @@ fn applying<S: Backend>(
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn duplicates_are_applied_once_sqlite() {
-    duplicates_are_applied_once::<SqliteStore>().await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn duplicates_are_applied_once_postgres() {
-    duplicates_are_applied_once::<PgStore>().await;
+test_support::backend_tests! {
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    via crate::on_store;
+    duplicates_are_applied_once,
 }
 
 /// 150 messages, each published two or three times (a publisher's retries), consumed by two
 /// competing consumers on their own connections: every message applied exactly once.
-async fn duplicates_are_applied_once<S: Backend>() {
+async fn duplicates_are_applied_once<S: Backend>(store: S) {
     const MESSAGES: usize = 150;
     let Some(connection) = broker().await else {
-        return;
-    };
-    let Some(store) = S::open().await else {
         return;
     };
     let setup = connection.create_channel().await.unwrap();

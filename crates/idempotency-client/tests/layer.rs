@@ -1,9 +1,9 @@
-//! The client against the real `idempotency-http` layer, in process, on SQLite and PostgreSQL:
+//! The client against the real `idempotency-http` layer, in process, on every backend:
 //! double clicks with and without `wait_for_in_flight`, the wait's bound, a released key, and the
 //! 422 key-reused.
 
 use axum::{http::StatusCode, response::IntoResponse, routing::post, Json, Router};
-use idempotency::{Idempotency, PgStore, SqliteStore, Store};
+use idempotency::{Idempotency, MySqlStore, PgStore, SqliteStore, Store};
 use idempotency_client::{
     IdempotencyError, IdempotencyMiddleware, Outcome, RequestKey, RetryPolicy,
 };
@@ -17,13 +17,14 @@ use std::{
     },
     time::{Duration, Instant},
 };
+use test_support::Backend;
 
 /// A protected `POST /work`: sleeps `delay`, counts its executions, answers 201 with the run
 /// number; its `fail_first` executions answer 500 instead (the layer releases the key).
 struct App {
     url: String,
     runs: Arc<AtomicUsize>,
-    _sqlite: Option<test_support::SqliteFile>,
+    _database: test_support::Database,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -67,40 +68,46 @@ async fn app_on<S: Store>(
     (url, runs, task)
 }
 
+/// The app on `backend`'s store on the database at `url` (a second call: another instance of the
+/// service on the same database).
+async fn app_at(
+    backend: Backend,
+    url: &str,
+    delay: Duration,
+    fail_first: usize,
+    wait: Option<Duration>,
+) -> (String, Arc<AtomicUsize>, tokio::task::JoinHandle<()>) {
+    match backend {
+        Backend::Sqlite => {
+            let store = SqliteStore::connect(url).await.unwrap();
+            app_on(store, delay, fail_first, wait).await
+        }
+        Backend::Postgres => {
+            let store = PgStore::connect(url).await.unwrap();
+            app_on(store, delay, fail_first, wait).await
+        }
+        Backend::MySql => {
+            let store = MySqlStore::connect(url).await.unwrap();
+            app_on(store, delay, fail_first, wait).await
+        }
+    }
+}
+
+/// The app on a fresh database of `backend`; `None` when it is skipped.
 async fn app(
-    kind: &str,
+    backend: Backend,
     delay: Duration,
     fail_first: usize,
     wait: Option<Duration>,
 ) -> Option<App> {
-    match kind {
-        "sqlite" => {
-            let file = test_support::fresh_sqlite();
-            let store = SqliteStore::connect(&file.url).await.unwrap();
-            let (url, runs, task) = app_on(store, delay, fail_first, wait).await;
-            Some(App {
-                url,
-                runs,
-                _sqlite: Some(file),
-                task,
-            })
-        }
-        "postgres" => {
-            let Some(url) = test_support::fresh_postgres_url().await else {
-                eprintln!("SKIPPED: TEST_POSTGRES_URL is not set");
-                return None;
-            };
-            let store = PgStore::connect(&url).await.unwrap();
-            let (url, runs, task) = app_on(store, delay, fail_first, wait).await;
-            Some(App {
-                url,
-                runs,
-                _sqlite: None,
-                task,
-            })
-        }
-        other => panic!("unknown backend {other}"),
-    }
+    let database = backend.fresh_database().await?;
+    let (url, runs, task) = app_at(backend, &database.url, delay, fail_first, wait).await;
+    Some(App {
+        url,
+        runs,
+        _database: database,
+        task,
+    })
 }
 
 fn client(policy: RetryPolicy) -> ClientWithMiddleware {
@@ -133,9 +140,9 @@ async fn double_clicks(url: &str, key: &str, n: usize) -> Vec<(u16, bool, Durati
     futures_util::future::join_all(copies).await
 }
 
-async fn waiting_duplicates_get_the_replay(kind: &str) {
+async fn waiting_duplicates_get_the_replay(backend: Backend) {
     let Some(app) = app(
-        kind,
+        backend,
         Duration::from_millis(50),
         0,
         Some(Duration::from_secs(2)),
@@ -152,25 +159,15 @@ async fn waiting_duplicates_get_the_replay(kind: &str) {
         assert_eq!(
             (created, replays, conflicts),
             (16, 15, 0),
-            "{kind} trial {trial}: {answers:?}"
+            "{backend} trial {trial}: {answers:?}"
         );
     }
     assert_eq!(app.runs.load(Ordering::SeqCst), 3, "one execution per key");
 }
 
-#[tokio::test]
-async fn waiting_duplicates_get_the_replay_sqlite() {
-    waiting_duplicates_get_the_replay("sqlite").await;
-}
-
-#[tokio::test]
-async fn waiting_duplicates_get_the_replay_postgres() {
-    waiting_duplicates_get_the_replay("postgres").await;
-}
-
-async fn the_wait_is_bounded(kind: &str) {
+async fn the_wait_is_bounded(backend: Backend) {
     let bound = Duration::from_millis(200);
-    let Some(app) = app(kind, Duration::from_millis(900), 0, Some(bound)).await else {
+    let Some(app) = app(backend, Duration::from_millis(900), 0, Some(bound)).await else {
         return;
     };
     let url = app.url.clone();
@@ -187,19 +184,9 @@ async fn the_wait_is_bounded(kind: &str) {
     assert_eq!(original.await.unwrap()[0].0, 201);
 }
 
-#[tokio::test]
-async fn the_wait_is_bounded_sqlite() {
-    the_wait_is_bounded("sqlite").await;
-}
-
-#[tokio::test]
-async fn the_wait_is_bounded_postgres() {
-    the_wait_is_bounded("postgres").await;
-}
-
-async fn a_released_key_is_run_by_the_waiting_duplicate(kind: &str) {
+async fn a_released_key_is_run_by_the_waiting_duplicate(backend: Backend) {
     let Some(app) = app(
-        kind,
+        backend,
         Duration::from_millis(100),
         1,
         Some(Duration::from_secs(2)),
@@ -218,20 +205,10 @@ async fn a_released_key_is_run_by_the_waiting_duplicate(kind: &str) {
     assert_eq!(app.runs.load(Ordering::SeqCst), 2);
 }
 
-#[tokio::test]
-async fn a_released_key_is_run_by_the_waiting_duplicate_sqlite() {
-    a_released_key_is_run_by_the_waiting_duplicate("sqlite").await;
-}
-
-#[tokio::test]
-async fn a_released_key_is_run_by_the_waiting_duplicate_postgres() {
-    a_released_key_is_run_by_the_waiting_duplicate("postgres").await;
-}
-
 /// Without waiting, the 409's `Retry-After-Ms` is the operation's usual duration, and the
 /// client's retries land just after the original: no second-long pause.
-async fn the_millisecond_hint_shortens_the_retry(kind: &str) {
-    let Some(app) = app(kind, Duration::from_millis(50), 0, None).await else {
+async fn the_millisecond_hint_shortens_the_retry(backend: Backend) {
+    let Some(app) = app(backend, Duration::from_millis(50), 0, None).await else {
         return;
     };
     // Executions teach the layer how long the operation takes (the median of the last ones, so
@@ -292,18 +269,8 @@ async fn the_millisecond_hint_shortens_the_retry(kind: &str) {
 }
 
 #[tokio::test]
-async fn the_millisecond_hint_shortens_the_retry_sqlite() {
-    the_millisecond_hint_shortens_the_retry("sqlite").await;
-}
-
-#[tokio::test]
-async fn the_millisecond_hint_shortens_the_retry_postgres() {
-    the_millisecond_hint_shortens_the_retry("postgres").await;
-}
-
-#[tokio::test]
 async fn key_reused_with_the_real_layer() {
-    let app = app("sqlite", Duration::ZERO, 0, None).await.unwrap();
+    let app = app(Backend::Sqlite, Duration::ZERO, 0, None).await.unwrap();
     let client = client(RetryPolicy::default());
     let send = |amount: u32| {
         client
@@ -349,39 +316,15 @@ async fn postgres_notify_settled_reaches_a_listener() {
 
 /// Two instances of the service on one database (two pools, two layers, as two processes would
 /// be): duplicates sent to the second wait for the original running on the first, woken by
-/// `NOTIFY` on PostgreSQL and by polling on SQLite.
-async fn duplicates_on_another_instance_wait_too(kind: &str) {
+/// `NOTIFY` on PostgreSQL and by polling elsewhere.
+async fn duplicates_on_another_instance_wait_too(backend: Backend) {
     let wait = Some(Duration::from_secs(2));
     let delay = Duration::from_millis(50);
-    let (first, second, _file) = match kind {
-        "sqlite" => {
-            let file = test_support::fresh_sqlite();
-            let a = app_on(
-                SqliteStore::connect(&file.url).await.unwrap(),
-                delay,
-                0,
-                wait,
-            )
-            .await;
-            let b = app_on(
-                SqliteStore::connect(&file.url).await.unwrap(),
-                delay,
-                0,
-                wait,
-            )
-            .await;
-            (a, b, Some(file))
-        }
-        _ => {
-            let Some(url) = test_support::fresh_postgres_url().await else {
-                eprintln!("SKIPPED: TEST_POSTGRES_URL is not set");
-                return;
-            };
-            let a = app_on(PgStore::connect(&url).await.unwrap(), delay, 0, wait).await;
-            let b = app_on(PgStore::connect(&url).await.unwrap(), delay, 0, wait).await;
-            (a, b, None)
-        }
+    let Some(database) = backend.fresh_database().await else {
+        return;
     };
+    let first = app_at(backend, &database.url, delay, 0, wait).await;
+    let second = app_at(backend, &database.url, delay, 0, wait).await;
     for trial in 0..3 {
         let key = format!("cross-{trial}");
         let original = {
@@ -391,10 +334,10 @@ async fn duplicates_on_another_instance_wait_too(kind: &str) {
         tokio::time::sleep(Duration::from_millis(10)).await;
         let duplicates = double_clicks(&second.0, &key, 8).await;
         let original = original.await.unwrap()[0];
-        assert_eq!((original.0, original.1), (201, false), "{kind}");
+        assert_eq!((original.0, original.1), (201, false), "{backend}");
         assert!(
             duplicates.iter().all(|d| d.0 == 201 && d.1),
-            "{kind}: {duplicates:?}"
+            "{backend}: {duplicates:?}"
         );
     }
     assert_eq!(first.1.load(Ordering::SeqCst), 3);
@@ -403,12 +346,11 @@ async fn duplicates_on_another_instance_wait_too(kind: &str) {
     second.2.abort();
 }
 
-#[tokio::test]
-async fn duplicates_on_another_instance_wait_too_sqlite() {
-    duplicates_on_another_instance_wait_too("sqlite").await;
-}
-
-#[tokio::test]
-async fn duplicates_on_another_instance_wait_too_postgres() {
-    duplicates_on_another_instance_wait_too("postgres").await;
+test_support::backend_tests! {
+    #[tokio::test]
+    waiting_duplicates_get_the_replay,
+    the_wait_is_bounded,
+    a_released_key_is_run_by_the_waiting_duplicate,
+    the_millisecond_hint_shortens_the_retry,
+    duplicates_on_another_instance_wait_too,
 }

@@ -1,5 +1,4 @@
-//! The layer in a real axum app over HTTP, against PostgreSQL and SQLite (and the safe defaults
-//! also against MySQL/MariaDB).
+//! The layer in a real axum app over HTTP, against SQLite, PostgreSQL and MySQL/MariaDB.
 
 mod common;
 
@@ -9,79 +8,15 @@ use idempotency_http::problem_types as types;
 use serde_json::json;
 use std::time::Duration;
 
-/// Runs a scenario on both databases (PostgreSQL skipped locally when `TEST_POSTGRES_URL` is unset).
-macro_rules! on_both {
-    ($($scenario:ident),* $(,)?) => {
-        mod postgres {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-                async fn $scenario() {
-                    if let Some(app) = crate::common::TestApp::postgres().await {
-                        super::$scenario(&app).await;
-                    }
-                }
-            )*
-        }
-        mod sqlite {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-                async fn $scenario() {
-                    let app = crate::common::TestApp::sqlite().await;
-                    super::$scenario(&app).await;
-                }
-            )*
-        }
-    };
-}
-
-/// Runs a scenario on all three databases (PostgreSQL and MySQL skipped locally when their
-/// `TEST_*_URL` is unset).
-macro_rules! on_all {
-    ($($scenario:ident),* $(,)?) => {
-        mod all_backends {
-            mod postgres {
-                $(
-                    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-                    async fn $scenario() {
-                        if let Some(app) = crate::common::TestApp::postgres().await {
-                            crate::$scenario(&app).await;
-                        }
-                    }
-                )*
-            }
-            mod mysql {
-                $(
-                    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-                    async fn $scenario() {
-                        if let Some(app) = crate::common::TestApp::mysql().await {
-                            crate::$scenario(&app).await;
-                        }
-                    }
-                )*
-            }
-            mod sqlite {
-                $(
-                    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-                    async fn $scenario() {
-                        let app = crate::common::TestApp::sqlite().await;
-                        crate::$scenario(&app).await;
-                    }
-                )*
-            }
-        }
-    };
-}
-
-on_all!(
+// Each scenario gets a `TestApp` on a fresh database of each backend.
+test_support::backend_tests! {
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     a_write_then_404_commits_nothing_and_keeps_no_key,
     a_write_then_422_is_stored_without_the_writes,
     transient_4xx_are_never_stored,
     a_redirect_commits_and_is_stored,
     external_work_answering_5xx_keeps_its_key_pending,
     external_work_that_panics_keeps_its_key_pending,
-);
-
-on_both!(
     concurrent_identical_posts_execute_once,
     replay_is_identical_and_marked,
     changed_payload_is_422,
@@ -100,12 +35,12 @@ on_both!(
     parked_key_is_409_needs_review,
     handler_disposition_overrides_the_status_policy,
     detached_work_outlives_the_client,
-);
+}
 
 const TRIALS: usize = 100;
 const RACERS: usize = 16;
 
-async fn concurrent_identical_posts_execute_once(app: &TestApp) {
+async fn concurrent_identical_posts_execute_once(app: TestApp) {
     let (mut conflicts, mut replays) = (0, 0);
     for trial in 0..TRIALS {
         let key = new_key();
@@ -154,7 +89,7 @@ async fn concurrent_identical_posts_execute_once(app: &TestApp) {
     );
 }
 
-async fn replay_is_identical_and_marked(app: &TestApp) {
+async fn replay_is_identical_and_marked(app: TestApp) {
     let key = new_key();
     let body = json!({"sku": "tea"});
     let first = Answer::of(app.post("/orders", "alice", Some(&key), &body)).await;
@@ -185,7 +120,7 @@ async fn replay_is_identical_and_marked(app: &TestApp) {
     assert_eq!(app.db.orders("tea").await, 1);
 }
 
-async fn changed_payload_is_422(app: &TestApp) {
+async fn changed_payload_is_422(app: TestApp) {
     let key = new_key();
     let first = Answer::of(app.post("/orders", "alice", Some(&key), &json!({"sku": "a"}))).await;
     assert_eq!(first.status, 201);
@@ -201,14 +136,14 @@ async fn changed_payload_is_422(app: &TestApp) {
     assert_eq!(app.db.orders("c").await, 1);
 }
 
-async fn missing_key_on_required_route_is_400(app: &TestApp) {
+async fn missing_key_on_required_route_is_400(app: TestApp) {
     let answer = Answer::of(app.post("/orders", "alice", None, &json!({"sku": "nokey"}))).await;
     answer.assert_problem(400, types::KEY_MISSING);
     assert_eq!(app.db.orders("nokey").await, 0);
     assert_eq!(app.db.keys().await, 0);
 }
 
-async fn invalid_key_is_400(app: &TestApp) {
+async fn invalid_key_is_400(app: TestApp) {
     for bad in ["\"unterminated", "\"\"", &"k".repeat(256), "\"a\";p=1"] {
         let answer =
             Answer::of(app.post("/orders", "alice", Some(bad), &json!({"sku": "bad"}))).await;
@@ -222,7 +157,7 @@ async fn invalid_key_is_400(app: &TestApp) {
     assert_eq!(app.db.keys().await, 1);
 }
 
-async fn optional_route_without_key_runs_unprotected(app: &TestApp) {
+async fn optional_route_without_key_runs_unprotected(app: TestApp) {
     for _ in 0..2 {
         let answer =
             Answer::of(app.post("/optional-orders", "alice", None, &json!({"sku": "free"}))).await;
@@ -257,7 +192,7 @@ async fn optional_route_without_key_runs_unprotected(app: &TestApp) {
     assert_eq!(second.headers["idempotency-key-retention"], "86400");
 }
 
-async fn other_user_same_key_executes_separately(app: &TestApp) {
+async fn other_user_same_key_executes_separately(app: TestApp) {
     let key = new_key();
     let body = json!({"sku": "shared"});
     let alice = Answer::of(app.post("/orders", "alice", Some(&key), &body)).await;
@@ -281,7 +216,7 @@ async fn other_user_same_key_executes_separately(app: &TestApp) {
     assert_eq!(app.db.orders("shared").await, 2);
 }
 
-async fn server_error_releases_the_key(app: &TestApp) {
+async fn server_error_releases_the_key(app: TestApp) {
     let key = new_key();
     let body = json!({"sku": "flaky"});
     let failed = Answer::of(
@@ -305,7 +240,7 @@ async fn server_error_releases_the_key(app: &TestApp) {
     assert_eq!(replay.body, retry.body);
 }
 
-async fn panic_releases_the_key(app: &TestApp) {
+async fn panic_releases_the_key(app: TestApp) {
     let key = new_key();
     let body = json!({"sku": "panicky"});
     // The connection dies with the handler (no catch-panic layer in this app) or answers 500.
@@ -325,7 +260,7 @@ async fn panic_releases_the_key(app: &TestApp) {
     assert_eq!(app.db.orders("panicky").await, 1);
 }
 
-async fn client_disconnect_releases_the_key(app: &TestApp) {
+async fn client_disconnect_releases_the_key(app: TestApp) {
     let key = new_key();
     let body = json!({"sku": "impatient"});
     let slow = app
@@ -354,7 +289,7 @@ async fn client_disconnect_releases_the_key(app: &TestApp) {
 
 /// With `detach(true)` a client that gives up does not cancel the work: it finishes, the key
 /// completes, and the retry is a replay (compare `client_disconnect_releases_the_key`).
-async fn detached_work_outlives_the_client(app: &TestApp) {
+async fn detached_work_outlives_the_client(app: TestApp) {
     let key = new_key();
     let body = json!({"sku": "patient"});
     let slow = app
@@ -379,7 +314,7 @@ async fn detached_work_outlives_the_client(app: &TestApp) {
     assert_eq!(app.db.orders("patient").await, 1);
 }
 
-async fn body_over_limit_is_413_and_nothing_stored(app: &TestApp) {
+async fn body_over_limit_is_413_and_nothing_stored(app: TestApp) {
     let key = new_key();
     let big = json!({"sku": "big", "padding": "x".repeat(2000)});
     let answer = Answer::of(app.post("/small", "alice", Some(&key), &big)).await;
@@ -393,7 +328,7 @@ async fn body_over_limit_is_413_and_nothing_stored(app: &TestApp) {
     assert_eq!(app.db.keys().await, 1);
 }
 
-async fn json_content_type_with_bad_json_is_400(app: &TestApp) {
+async fn json_content_type_with_bad_json_is_400(app: TestApp) {
     let answer = Answer::of(
         app.client
             .post(format!("{}/orders", app.url))
@@ -422,7 +357,7 @@ async fn json_content_type_with_bad_json_is_400(app: &TestApp) {
         .assert_problem(422, types::KEY_REUSED);
 }
 
-async fn handler_without_transaction_is_stored(app: &TestApp) {
+async fn handler_without_transaction_is_stored(app: TestApp) {
     let key = new_key();
     let first = Answer::of(app.post("/nonce", "alice", Some(&key), &json!({}))).await;
     assert_eq!(first.status, 200);
@@ -434,7 +369,7 @@ async fn handler_without_transaction_is_stored(app: &TestApp) {
     assert_eq!(app.db.keys_in_state("completed").await, 1);
 }
 
-async fn other_methods_pass_through(app: &TestApp) {
+async fn other_methods_pass_through(app: TestApp) {
     let url = format!("{}/orders/7", app.url);
     for _ in 0..2 {
         let read = Answer::of(app.client.get(&url)).await;
@@ -471,7 +406,7 @@ async fn other_methods_pass_through(app: &TestApp) {
 /// The same-transaction claim: a handler whose lease was taken over while it ran has its rows
 /// rolled back with the failed completion. Were the key completed in a transaction of its own,
 /// its order would stay and there would be two.
-async fn lost_lease_rolls_back_the_handlers_rows(app: &TestApp) {
+async fn lost_lease_rolls_back_the_handlers_rows(app: TestApp) {
     let key = new_key();
     let body = json!({"sku": "overtaken"});
     let slow = Answer::of(
@@ -498,7 +433,7 @@ async fn lost_lease_rolls_back_the_handlers_rows(app: &TestApp) {
     assert_eq!(replay.body, fast.body);
 }
 
-async fn parked_key_is_409_needs_review(app: &TestApp) {
+async fn parked_key_is_409_needs_review(app: TestApp) {
     let key = new_key();
     let body = json!({"sku": "charged?"});
     let failed = Answer::of(
@@ -579,7 +514,7 @@ async fn store_down_is_503_and_the_handler_is_not_run() {
 }
 
 /// `/strict` stores only 2xx, but a handler's [`Disposition`] decides for its own response.
-async fn handler_disposition_overrides_the_status_policy(app: &TestApp) {
+async fn handler_disposition_overrides_the_status_policy(app: TestApp) {
     // Store: a 402 is kept (without the handler's rows) and replayed byte for byte.
     let key = new_key();
     let body = json!({"sku": "refused"});
@@ -637,7 +572,7 @@ async fn handler_disposition_overrides_the_status_policy(app: &TestApp) {
 
 /// A handler that writes, then answers 404 ("unknown target"): its write is rolled back and the
 /// key released (a 404 may not be final: the target may exist later), so the retry runs again.
-async fn a_write_then_404_commits_nothing_and_keeps_no_key(app: &TestApp) {
+async fn a_write_then_404_commits_nothing_and_keeps_no_key(app: TestApp) {
     let key = new_key();
     let sku = format!("after-404-{key}");
     let body = json!({"sku": sku});
@@ -663,7 +598,7 @@ async fn a_write_then_404_commits_nothing_and_keeps_no_key(app: &TestApp) {
 }
 
 /// 422 is definitive: stored and replayed, but the handler's writes are rolled back.
-async fn a_write_then_422_is_stored_without_the_writes(app: &TestApp) {
+async fn a_write_then_422_is_stored_without_the_writes(app: TestApp) {
     let key = new_key();
     let sku = format!("after-422-{key}");
     let body = json!({"sku": sku});
@@ -687,7 +622,7 @@ async fn a_write_then_422_is_stored_without_the_writes(app: &TestApp) {
 }
 
 /// 408, 409, 425 and 429 say "try again": never stored, writes rolled back, the retry runs.
-async fn transient_4xx_are_never_stored(app: &TestApp) {
+async fn transient_4xx_are_never_stored(app: TestApp) {
     for status in ["408", "409", "425", "429"] {
         let key = new_key();
         let sku = format!("after-{status}-{key}");
@@ -711,7 +646,7 @@ async fn transient_4xx_are_never_stored(app: &TestApp) {
 }
 
 /// A redirection (redirect-after-POST) commits like a success, and is stored.
-async fn a_redirect_commits_and_is_stored(app: &TestApp) {
+async fn a_redirect_commits_and_is_stored(app: TestApp) {
     let key = new_key();
     let sku = format!("after-303-{key}");
     let body = json!({"sku": sku});
@@ -729,7 +664,7 @@ async fn a_redirect_commits_and_is_stored(app: &TestApp) {
 
 /// With outside effects and no policy of its own, a 5xx neither commits nor releases: the outside
 /// call may have happened, so the key stays pending for the recovery job and retries get 409.
-async fn external_work_answering_5xx_keeps_its_key_pending(app: &TestApp) {
+async fn external_work_answering_5xx_keeps_its_key_pending(app: TestApp) {
     let key = new_key();
     let sku = format!("external-500-{key}");
     let body = json!({"sku": sku});
@@ -748,7 +683,7 @@ async fn external_work_answering_5xx_keeps_its_key_pending(app: &TestApp) {
 }
 
 /// The same after a panic: the key of external work is never released by the layer.
-async fn external_work_that_panics_keeps_its_key_pending(app: &TestApp) {
+async fn external_work_that_panics_keeps_its_key_pending(app: TestApp) {
     let key = new_key();
     let sku = format!("external-panic-{key}");
     let body = json!({"sku": sku});

@@ -16,7 +16,9 @@ use serde_json::json;
 use std::{sync::Arc, time::Duration};
 use tokio::sync::{Barrier, Notify};
 
-backend_tests!(
+test_support::backend_tests! {
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    via crate::on_store;
     concurrent_deliveries_of_one_message_take_effect_once,
     a_redelivery_after_completion_is_acked_as_a_replay,
     the_same_id_with_another_payload_is_dead_lettered_and_never_applied,
@@ -26,7 +28,7 @@ backend_tests!(
     definitive_and_unavailable_failures_are_not_counted,
     durable_operations_consume_once,
     a_parked_durable_operation_is_dead_lettered_with_its_reason,
-);
+}
 
 /// The queue the messages come from: the keys' scope.
 const QUEUE: &str = "orders-queue";

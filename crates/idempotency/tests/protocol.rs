@@ -1,4 +1,4 @@
-//! The protocol's behaviour, on every backend (see `common::backend_tests!`).
+//! The protocol's behaviour, on every backend (see `test_support::backend_tests!`).
 
 mod common;
 
@@ -611,7 +611,9 @@ async fn concurrent_duplicates_execute_exactly_once<S: Harness>(store: S) {
     race(store, 200, 8).await;
 }
 
-backend_tests!(
+test_support::backend_tests! {
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    via crate::on_store;
     replay_returns_the_stored_result,
     another_payload_under_the_same_key_is_rejected,
     scopes_and_operations_are_independent,
@@ -633,4 +635,4 @@ backend_tests!(
     the_default_replay_read_follows_the_recent_replays,
     a_cancelled_reservation_leaves_no_pending_key,
     work_borrowing_the_request_is_send_and_runs_once,
-);
+}

@@ -17,7 +17,9 @@ use std::{
 };
 
 // Every store implements `Maintenance`, so the shared per-backend macro serves.
-backend_tests!(
+test_support::backend_tests! {
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    via crate::on_store;
     abandoned_local_key_is_released,
     abandoned_external_key_completed_by_the_resolver,
     abandoned_external_key_failed_by_the_resolver_is_released,
@@ -32,7 +34,7 @@ backend_tests!(
     racing_resolutions_only_one_wins,
     recovery_loop_stops_on_shutdown,
     list_and_stats_see_the_table,
-);
+}
 
 const SHORT_LEASE: Duration = Duration::from_millis(40);
 

@@ -18,11 +18,13 @@ use std::{
 };
 
 // Every store implements `Maintenance`, so the shared per-backend macro serves.
-backend_tests!(
+test_support::backend_tests! {
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    via crate::on_store;
     purge_removes_only_expired_keys_in_batches,
     concurrent_purges_delete_each_row_once,
     large_purge_runs_beside_a_busy_writer,
-);
+}
 
 /// Rows written straight with SQL, in bulk, with times relative to the database clock.
 trait Bulk: Harness + Maintenance {

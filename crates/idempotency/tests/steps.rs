@@ -28,7 +28,9 @@ use std::{
 };
 use tokio::sync::Notify;
 
-backend_tests!(
+test_support::backend_tests! {
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    via crate::on_store;
     resumes_from_every_recovery_point,
     a_late_original_worker_is_fenced_out,
     a_retry_and_the_resumer_race_for_one_key,
@@ -40,7 +42,7 @@ backend_tests!(
     the_request_is_stored_while_pending_and_cleared_on_completion,
     an_oversized_request_is_refused_and_its_key_released,
     the_maintenance_worker_resumes_abandoned_operations,
-);
+}
 
 const SCOPE: &str = "user-7";
 /// The lease of the worker that "crashes" in most tests.

@@ -18,6 +18,7 @@ use std::{
     },
     time::{Duration, Instant},
 };
+use test_support::Backend;
 
 /// A `shop` process on a given address (restartable on the same port), killed on drop.
 struct Shop {
@@ -230,9 +231,8 @@ async fn rows(database_url: &str, user: &str, key: &str) -> Rows {
 
 /// 16 copies of one 50 ms purchase at once, 3 times: with the shop waiting for the request in
 /// flight, every copy is a 201 (one executed, 15 replays), none a 409; one charge per key.
-async fn double_click_gets_no_409(kind: &str) {
-    let Some((database_url, sqlite)) = common::database(kind).await else {
-        eprintln!("SKIPPED: no {kind} database");
+async fn double_click_gets_no_409(backend: Backend) {
+    let Some((database_url, sqlite)) = common::database(backend).await else {
         return;
     };
     let shop = Shop::start(
@@ -264,29 +264,22 @@ async fn double_click_gets_no_409(kind: &str) {
         });
         let answers = futures_util::future::join_all(copies).await;
         let statuses: Vec<u16> = answers.iter().map(|a| a.0).collect();
-        assert!(statuses.iter().all(|s| *s == 201), "{kind}: {statuses:?}");
-        assert_eq!(answers.iter().filter(|a| a.1).count(), 15, "{kind}");
+        assert!(
+            statuses.iter().all(|s| *s == 201),
+            "{backend}: {statuses:?}"
+        );
+        assert_eq!(answers.iter().filter(|a| a.1).count(), 15, "{backend}");
         let charges: std::collections::HashSet<String> = answers
             .iter()
             .map(|a| a.2["charge_id"].to_string())
             .collect();
-        assert_eq!(charges.len(), 1, "{kind}: one charge in every answer");
+        assert_eq!(charges.len(), 1, "{backend}: one charge in every answer");
         let rows = rows(&database_url, &user, &key).await;
-        assert_eq!(rows.charges.len(), 1, "{kind}: {rows:?}");
-        assert_eq!(rows.purchases, 1, "{kind}: {rows:?}");
+        assert_eq!(rows.charges.len(), 1, "{backend}: {rows:?}");
+        assert_eq!(rows.purchases, 1, "{backend}: {rows:?}");
     }
     drop(shop);
     drop(sqlite);
-}
-
-#[tokio::test]
-async fn double_click_gets_no_409_sqlite() {
-    double_click_gets_no_409("sqlite").await;
-}
-
-#[tokio::test]
-async fn double_click_gets_no_409_postgres() {
-    double_click_gets_no_409("postgres").await;
 }
 
 /// How one operation ended, seen from the client.
@@ -303,9 +296,13 @@ struct Ended {
 /// calls and the shop is SIGKILLed and restarted on the same port; then, from the database, each
 /// purchase answered 201 was charged exactly once and paid, and each answered with the
 /// definitive 502 `payment-failed` was charged nothing (or refunded) and given its money back.
-async fn purchases_survive_faults_and_kills(kind: &str, operations: usize, kills: usize) {
-    let Some((database_url, sqlite)) = common::database(kind).await else {
-        eprintln!("SKIPPED: no {kind} database");
+async fn purchases_survive_faults_and_kills(backend: Backend) {
+    // A shorter run on SQLite.
+    let (operations, kills) = match backend {
+        Backend::Sqlite => (24, 6),
+        Backend::Postgres | Backend::MySql => (40, 10),
+    };
+    let Some((database_url, sqlite)) = common::database(backend).await else {
         return;
     };
     let shop = Arc::new(Mutex::new(Shop::start(
@@ -411,7 +408,7 @@ async fn purchases_survive_faults_and_kills(kind: &str, operations: usize, kills
         }
     }
     println!(
-        "{kind}: {operations} purchases, {kills_done} kills, {requests} requests, {transport_errors} transport errors, {replays} final replays, {:.1} s; final statuses {by_status:?}; every answer {seen:?}",
+        "{backend}: {operations} purchases, {kills_done} kills, {requests} requests, {transport_errors} transport errors, {replays} final replays, {:.1} s; final statuses {by_status:?}; every answer {seen:?}",
         started.elapsed().as_secs_f64()
     );
 
@@ -471,7 +468,7 @@ async fn purchases_survive_faults_and_kills(kind: &str, operations: usize, kills
         }
     }
     println!(
-        "{kind}: {created} executed once (201), {failed} settled as failed (502), 0 duplicated"
+        "{backend}: {created} executed once (201), {failed} settled as failed (502), 0 duplicated"
     );
     assert_eq!(created + failed, operations);
     assert!(kills_done >= 1, "the shop was killed");
@@ -479,12 +476,9 @@ async fn purchases_survive_faults_and_kills(kind: &str, operations: usize, kills
     drop(sqlite);
 }
 
-#[tokio::test]
-async fn purchases_survive_faults_and_kills_sqlite() {
-    purchases_survive_faults_and_kills("sqlite", 24, 6).await;
-}
-
-#[tokio::test]
-async fn purchases_survive_faults_and_kills_postgres() {
-    purchases_survive_faults_and_kills("postgres", 40, 10).await;
+test_support::backend_tests! {
+    #[tokio::test]
+    except MySql = "the shop runs on SQLite and PostgreSQL only (its database URL refuses mysql:)";
+    double_click_gets_no_409,
+    purchases_survive_faults_and_kills,
 }

@@ -2,10 +2,11 @@
 
 mod common;
 
-use common::{send, start, Reply};
+use common::{send, start, Reply, Shop};
 use futures_util::future::join_all;
 use serde_json::{json, Value};
 use std::collections::HashSet;
+use test_support::Backend;
 
 const TEA2: &str = r#"{"sku": "tea", "quantity": 2}"#;
 
@@ -51,15 +52,18 @@ async fn paid_order(base: &str, user: &str) -> i64 {
 }
 
 /// `/healthz` names the backend; purchases need a valid user.
-async fn health_and_authentication(kind: &str) {
-    let Some(shop) = common::fresh_shop(kind).await else {
+async fn health_and_authentication(backend: Backend) {
+    let Some(shop) = common::fresh_shop(backend).await else {
         return;
     };
     let base = shop.url.as_str();
     let purchases = format!("{base}/purchases");
     // Health and authentication.
     let r = send("GET", &format!("{base}/healthz"), None, None, None).await;
-    assert_eq!((r.status, r.body["database"].as_str()), (200, Some(kind)));
+    assert_eq!(
+        (r.status, r.body["database"].as_str()),
+        (200, Some(backend.name()))
+    );
     send("POST", &purchases, None, Some(&key()), Some(TEA2))
         .await
         .assert_problem(401, "unauthenticated");
@@ -75,10 +79,7 @@ async fn health_and_authentication(kind: &str) {
 }
 
 /// Bad input on the keyed route: a clear problem, and nothing is reserved or charged.
-async fn bad_input_reserves_and_charges_nothing(kind: &str) {
-    let Some(shop) = common::fresh_shop(kind).await else {
-        return;
-    };
+async fn bad_input_reserves_and_charges_nothing(shop: Shop) {
     let base = shop.url.as_str();
     let purchases = format!("{base}/purchases");
     let alice = "alice";
@@ -144,10 +145,7 @@ async fn bad_input_reserves_and_charges_nothing(kind: &str) {
 }
 
 /// A purchase, its replay, the same key with another payload (422), and from another user (another operation).
-async fn a_purchase_is_replayed_and_its_key_bound_to_its_request(kind: &str) {
-    let Some(shop) = common::fresh_shop(kind).await else {
-        return;
-    };
+async fn a_purchase_is_replayed_and_its_key_bound_to_its_request(shop: Shop) {
     let base = shop.url.as_str();
     let purchases = format!("{base}/purchases");
     let alice = "alice";
@@ -186,10 +184,7 @@ async fn a_purchase_is_replayed_and_its_key_bound_to_its_request(kind: &str) {
 }
 
 /// Concurrent duplicates: one purchase, one charge; the others replay it or get 409.
-async fn concurrent_duplicates_make_one_purchase(kind: &str) {
-    let Some(shop) = common::fresh_shop(kind).await else {
-        return;
-    };
+async fn concurrent_duplicates_make_one_purchase(shop: Shop) {
     let base = shop.url.as_str();
     let purchases = format!("{base}/purchases");
     let alice = "alice";
@@ -214,10 +209,7 @@ async fn concurrent_duplicates_make_one_purchase(kind: &str) {
 }
 
 /// A definitive refusal (402) is stored and replayed, and its writes roll back.
-async fn a_definitive_refusal_is_stored_and_replayed(kind: &str) {
-    let Some(shop) = common::fresh_shop(kind).await else {
-        return;
-    };
+async fn a_definitive_refusal_is_stored_and_replayed(shop: Shop) {
     let base = shop.url.as_str();
     let purchases = format!("{base}/purchases");
     let alice = "alice";
@@ -239,10 +231,7 @@ async fn a_definitive_refusal_is_stored_and_replayed(kind: &str) {
 }
 
 /// Orders and the guarded transition unpaid → paid.
-async fn orders_move_from_unpaid_to_paid_once(kind: &str) {
-    let Some(shop) = common::fresh_shop(kind).await else {
-        return;
-    };
+async fn orders_move_from_unpaid_to_paid_once(shop: Shop) {
     let base = shop.url.as_str();
     let alice = "alice";
     let orders = format!("{base}/orders");
@@ -302,10 +291,7 @@ async fn orders_move_from_unpaid_to_paid_once(kind: &str) {
 }
 
 /// Racing payments of one order: exactly one pays.
-async fn racing_payments_pay_an_order_once(kind: &str) {
-    let Some(shop) = common::fresh_shop(kind).await else {
-        return;
-    };
+async fn racing_payments_pay_an_order_once(shop: Shop) {
     let base = shop.url.as_str();
     let orders = format!("{base}/orders");
     let alice = "alice";
@@ -326,10 +312,7 @@ async fn racing_payments_pay_an_order_once(kind: &str) {
 }
 
 /// Point grants: one per order (a business unique constraint), also under races.
-async fn one_point_grant_per_order(kind: &str) {
-    let Some(shop) = common::fresh_shop(kind).await else {
-        return;
-    };
+async fn one_point_grant_per_order(shop: Shop) {
     let base = shop.url.as_str();
     let orders = format!("{base}/orders");
     let alice = "alice";
@@ -411,10 +394,7 @@ async fn one_point_grant_per_order(kind: &str) {
 }
 
 /// E-mails: keyed; a replay does not send again.
-async fn emails_are_keyed_and_never_sent_twice(kind: &str) {
-    let Some(shop) = common::fresh_shop(kind).await else {
-        return;
-    };
+async fn emails_are_keyed_and_never_sent_twice(shop: Shop) {
     let base = shop.url.as_str();
     let alice = "alice";
     let emails = format!("{base}/emails");
@@ -459,10 +439,7 @@ async fn emails_are_keyed_and_never_sent_twice(kind: &str) {
 }
 
 /// The ledger, read from the tables, and only by its owner; unknown routes are problems.
-async fn the_ledger_is_read_from_the_tables_by_its_owner_only(kind: &str) {
-    let Some(shop) = common::fresh_shop(kind).await else {
-        return;
-    };
+async fn the_ledger_is_read_from_the_tables_by_its_owner_only(shop: Shop) {
     let base = shop.url.as_str();
     let purchases = format!("{base}/purchases");
     let alice = "alice";
@@ -517,10 +494,7 @@ async fn the_ledger_is_read_from_the_tables_by_its_owner_only(kind: &str) {
 }
 
 /// Metrics: the middleware's outcome counters in Prometheus text format.
-async fn metrics_count_each_outcome(kind: &str) {
-    let Some(shop) = common::fresh_shop(kind).await else {
-        return;
-    };
+async fn metrics_count_each_outcome(shop: Shop) {
     let base = shop.url.as_str();
     let purchases = format!("{base}/purchases");
     let alice = "alice";
@@ -569,7 +543,9 @@ async fn metrics_count_each_outcome(kind: &str) {
     }
 }
 
-shop_tests!(
+test_support::backend_tests! {
+    #[tokio::test]
+    except MySql = "the shop runs on SQLite and PostgreSQL only (its database URL refuses mysql:)";
     health_and_authentication,
     bad_input_reserves_and_charges_nothing,
     a_purchase_is_replayed_and_its_key_bound_to_its_request,
@@ -582,11 +558,11 @@ shop_tests!(
     the_ledger_is_read_from_the_tables_by_its_owner_only,
     metrics_count_each_outcome,
     unknown_outcomes,
-);
+}
 
 /// Faults: a second process on the same database whose providers fail.
-async fn unknown_outcomes(kind: &str) {
-    let Some((url, sqlite)) = common::database(kind).await else {
+async fn unknown_outcomes(backend: Backend) {
+    let Some((url, sqlite)) = common::database(backend).await else {
         return;
     };
     let healthy = start(&url, None, &[]);

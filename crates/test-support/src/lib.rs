@@ -1,4 +1,5 @@
-//! Fresh databases for integration tests, one per test, from the URLs CI exports.
+//! Fresh databases for integration tests, one per test, from the URLs CI exports, and one harness
+//! that runs a test on every backend.
 //!
 //! * `TEST_POSTGRES_URL`: a PostgreSQL server (any database on it); each test gets a new database.
 //! * `TEST_MYSQL_URL`: a MySQL/MariaDB server; likewise.
@@ -14,8 +15,61 @@
 //! }
 //! # }
 //! ```
+//!
+//! # Every test on every backend
+//!
+//! [`backend_tests!`] is the only place that lists the backends ([`Backend`]): it turns each
+//! scenario into one test per backend, `sqlite::name`, `postgres::name` and `mysql::name`, so a new
+//! backend gets every crate's suite as its conformance suite. A scenario takes a [`Fixture`]
+//! (a test app, a service...) opened on the backend, or the [`Backend`] itself; tests generic over
+//! a store type go `via` a macro of the test crate that maps a backend to its store. A system that
+//! does not support a backend yet names it in `except`, with the reason.
+//!
+//! ```
+//! use test_support::{Backend, Database, Fixture};
+//!
+//! /// What the scenarios need: here, just a fresh database.
+//! struct Db(Database);
+//!
+//! impl Fixture for Db {
+//!     async fn open(backend: Backend) -> Option<Self> {
+//!         backend.fresh_database().await.map(Db)
+//!     }
+//! }
+//!
+//! async fn has_a_url(db: Db) {
+//!     assert!(!db.0.url.is_empty());
+//! }
+//!
+//! /// The scenario may set up what it needs itself.
+//! async fn knows_its_backend(backend: Backend) {
+//!     assert!(["sqlite", "postgres", "mysql"].contains(&backend.name()));
+//! }
+//!
+//! // Tests `sqlite::has_a_url`, `postgres::has_a_url`, `mysql::has_a_url`, and likewise.
+//! test_support::backend_tests! {
+//!     #[tokio::test]
+//!     has_a_url,
+//!     knows_its_backend,
+//! }
+//!
+//! mod subset {
+//!     async fn runs(backend: test_support::Backend) {}
+//!
+//!     // Tests `sqlite::runs` and `postgres::runs`.
+//!     test_support::backend_tests! {
+//!         #[tokio::test]
+//!         except MySql = "this system has no MySQL store yet";
+//!         runs,
+//!     }
+//! }
+//! # fn main() {}
+//! ```
 
+mod harness;
 pub mod proxy;
+
+pub use harness::{run, Backend, Database, Fixture};
 
 use sqlx::{Connection, Executor};
 use std::path::PathBuf;

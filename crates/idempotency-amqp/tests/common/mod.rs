@@ -1,11 +1,12 @@
-//! A broker from `TEST_AMQP_URL`, stores on fresh databases with a business table `applied`, and
-//! helpers to publish and to wait.
+//! A broker from `TEST_AMQP_URL`, stores on fresh databases with a business table `applied` (and
+//! the map from a backend to its store for `test_support::backend_tests!`), and helpers to publish
+//! and to wait.
 //!
 //! Without `TEST_AMQP_URL` the tests print `SKIPPED` and pass, **except under CI** (`CI` set),
 //! where they fail; with it set, an unreachable broker fails them. `. .ci/rabbitmq.sh` starts one.
 #![allow(dead_code)]
 
-use idempotency::{PgStore, SqliteStore, Store};
+use idempotency::{MySqlStore, PgStore, SqliteStore, Store};
 use lapin::{
     options::{
         BasicPublishOptions, ConfirmSelectOptions, ExchangeDeleteOptions, QueueDeclareOptions,
@@ -169,6 +170,86 @@ impl Backend for PgStore {
             .fetch_one(self.pool())
             .await
             .expect("count")
+    }
+}
+
+impl Backend for MySqlStore {
+    const NAME: &'static str = "mysql";
+
+    async fn open() -> Option<Self> {
+        let url = test_support::fresh_mysql_url().await?;
+        let pool = sqlx::mysql::MySqlPoolOptions::new()
+            .max_connections(16)
+            .connect(&url)
+            .await
+            .expect("connect to the fresh mysql database");
+        let store = MySqlStore::new(pool);
+        store.migrate().await.expect("migrate");
+        sqlx::query(
+            "CREATE TABLE applied (message_id VARCHAR(255) NOT NULL, body TEXT NOT NULL) ENGINE = InnoDB",
+        )
+        .execute(store.pool())
+        .await
+        .expect("business table");
+        Some(store)
+    }
+
+    fn apply<'t>(
+        tx: &'t mut Transaction<'static, sqlx::MySql>,
+        message_id: &'t str,
+        body: &'t str,
+    ) -> futures_util::future::BoxFuture<'t, Result<(), sqlx::Error>> {
+        Box::pin(async move {
+            sqlx::query("INSERT INTO applied (message_id, body) VALUES (?, ?)")
+                .bind(message_id)
+                .bind(body)
+                .execute(&mut **tx)
+                .await
+                .map(drop)
+        })
+    }
+
+    async fn applied(&self, message_id: &str) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM applied WHERE message_id = ?")
+            .bind(message_id)
+            .fetch_one(self.pool())
+            .await
+            .expect("count")
+    }
+
+    async fn applied_total(&self) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM applied")
+            .fetch_one(self.pool())
+            .await
+            .expect("count")
+    }
+}
+
+/// Runs the generic test `$test` (`async fn name<S: Backend>(store: S)`) on `$backend`'s store:
+/// this crate's map from a backend to its store type, for the `via` of
+/// `test_support::backend_tests!`, which lists the backends. Exhaustive: a backend added there
+/// must be given its store here.
+#[macro_export]
+macro_rules! on_store {
+    ($backend:expr, $test:path) => {
+        match $backend {
+            test_support::Backend::Sqlite => {
+                $crate::common::run_on_fresh::<idempotency::SqliteStore, _>($test).await
+            }
+            test_support::Backend::Postgres => {
+                $crate::common::run_on_fresh::<idempotency::PgStore, _>($test).await
+            }
+            test_support::Backend::MySql => {
+                $crate::common::run_on_fresh::<idempotency::MySqlStore, _>($test).await
+            }
+        }
+    };
+}
+
+/// Runs `test` on a fresh `S`; nothing when the backend is skipped.
+pub async fn run_on_fresh<S: Backend, Fut: Future<Output = ()>>(test: impl FnOnce(S) -> Fut) {
+    if let Some(store) = S::open().await {
+        test(store).await;
     }
 }
 

@@ -322,7 +322,7 @@ impl Db {
     }
 }
 
-/// A running test app.
+/// A running test app: the fixture of the scenarios of `test_support::backend_tests!`.
 pub struct TestApp {
     pub url: String,
     pub db: Db,
@@ -413,6 +413,17 @@ impl TestApp {
             request = request.header("idempotency-key", key);
         }
         request
+    }
+}
+
+/// The app on a fresh database of the backend.
+impl test_support::Fixture for TestApp {
+    async fn open(backend: test_support::Backend) -> Option<Self> {
+        match backend {
+            test_support::Backend::Sqlite => Some(Self::sqlite().await),
+            test_support::Backend::Postgres => Self::postgres().await,
+            test_support::Backend::MySql => Self::mysql().await,
+        }
     }
 }
 

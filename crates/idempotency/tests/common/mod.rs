@@ -1,5 +1,5 @@
-//! One harness for every backend: a fresh store with a business table `effects`, and a macro that
-//! instantiates each generic test once per backend.
+//! One harness for every backend: a fresh store with a business table `effects`, and the map from
+//! a backend to its store that `test_support::backend_tests!` runs each generic test through.
 #![allow(dead_code)]
 
 use futures_util::future::BoxFuture;
@@ -153,41 +153,34 @@ impl Harness for idempotency::MySqlStore {
     }
 }
 
-/// Instantiates each named generic test `async fn name<S: Harness>(store: S)` once per backend.
+/// Runs the generic test `$test` (`async fn name<S: Harness>(store: S)`) on `$backend`'s store:
+/// this crate's map from a backend to its store type, for the `via` of
+/// `test_support::backend_tests!`, which lists the backends. Exhaustive: a backend added there
+/// must be given its store here.
 #[macro_export]
-macro_rules! backend_tests {
-    ($($test:ident),* $(,)?) => {
-        mod postgres {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-                async fn $test() {
-                    if let Some(store) = <idempotency::PgStore as $crate::common::Harness>::open().await {
-                        super::$test(store).await;
-                    }
-                }
-            )*
-        }
-        mod sqlite {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-                async fn $test() {
-                    if let Some(store) = <idempotency::SqliteStore as $crate::common::Harness>::open().await {
-                        super::$test(store).await;
-                    }
-                }
-            )*
-        }
-        mod mysql {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-                async fn $test() {
-                    if let Some(store) = <idempotency::MySqlStore as $crate::common::Harness>::open().await {
-                        super::$test(store).await;
-                    }
-                }
-            )*
+macro_rules! on_store {
+    ($backend:expr, $test:path) => {
+        match $backend {
+            test_support::Backend::Sqlite => {
+                $crate::common::run_on_fresh::<idempotency::SqliteStore, _>($test).await
+            }
+            test_support::Backend::Postgres => {
+                $crate::common::run_on_fresh::<idempotency::PgStore, _>($test).await
+            }
+            test_support::Backend::MySql => {
+                $crate::common::run_on_fresh::<idempotency::MySqlStore, _>($test).await
+            }
         }
     };
+}
+
+/// Runs `test` on a fresh `S`; nothing when the backend is skipped.
+pub async fn run_on_fresh<S: Harness, Fut: std::future::Future<Output = ()>>(
+    test: impl FnOnce(S) -> Fut,
+) {
+    if let Some(store) = S::open().await {
+        test(store).await;
+    }
 }
 
 pub fn attempt(scope: &str, key: &str, body: serde_json::Value) -> Attempt {

@@ -6,6 +6,7 @@ use std::{
     process::{Child, Command, Stdio},
     time::Duration,
 };
+use test_support::Backend;
 
 /// A running `shop` process, killed on drop.
 pub struct Shop {
@@ -22,18 +23,10 @@ impl Drop for Shop {
     }
 }
 
-/// The databases to run a test on: SQLite always, PostgreSQL when configured (required in CI).
-pub async fn database(kind: &str) -> Option<(String, Option<test_support::SqliteFile>)> {
-    match kind {
-        "sqlite" => {
-            let file = test_support::fresh_sqlite();
-            Some((file.url.clone(), Some(file)))
-        }
-        "postgres" => test_support::fresh_postgres_url()
-            .await
-            .map(|url| (url, None)),
-        other => panic!("unknown backend {other}"),
-    }
+/// A fresh database of `backend` (its URL and, for SQLite, its file); `None` when skipped.
+pub async fn database(backend: Backend) -> Option<(String, Option<test_support::SqliteFile>)> {
+    let database = backend.fresh_database().await?;
+    Some((database.url, database.sqlite))
 }
 
 /// Starts `shop --listen 127.0.0.1:0 --database-url URL EXTRA…` and waits for its address.
@@ -64,35 +57,17 @@ pub fn start(url: &str, sqlite: Option<test_support::SqliteFile>, extra: &[&str]
     }
 }
 
-/// A shop on a fresh database of `kind`, for one scenario; `None` when PostgreSQL is not
-/// configured (required in CI).
-pub async fn fresh_shop(kind: &str) -> Option<Shop> {
-    let (url, sqlite) = database(kind).await?;
+/// A shop on a fresh database of `backend`, for one scenario; `None` when skipped.
+pub async fn fresh_shop(backend: Backend) -> Option<Shop> {
+    let (url, sqlite) = database(backend).await?;
     Some(start(&url, sqlite, &[]))
 }
 
-/// Instantiates each named scenario `async fn name(kind: &str)` once per backend the shop runs
-/// on, as `sqlite::name` and `postgres::name`: each scenario passes or fails on its own.
-#[macro_export]
-macro_rules! shop_tests {
-    ($($test:ident),* $(,)?) => {
-        mod sqlite {
-            $(
-                #[tokio::test]
-                async fn $test() {
-                    super::$test("sqlite").await;
-                }
-            )*
-        }
-        mod postgres {
-            $(
-                #[tokio::test]
-                async fn $test() {
-                    super::$test("postgres").await;
-                }
-            )*
-        }
-    };
+/// The fixture of the scenarios of `test_support::backend_tests!`: a shop of its own.
+impl test_support::Fixture for Shop {
+    async fn open(backend: Backend) -> Option<Self> {
+        fresh_shop(backend).await
+    }
 }
 
 /// One answer: status, content type, replay header, JSON body.
