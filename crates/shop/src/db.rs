@@ -1,40 +1,119 @@
 //! The shop's databases: the idempotency store and the shop's tables on one pool, and the
 //! simulated providers on a pool of their own (they stand for outside services).
 //!
-//! The same SQL text runs on PostgreSQL and SQLite (`$1` placeholders work on both); the
-//! [`on_conn!`](crate::on_conn) macro expands one statement for each backend.
+//! The same SQL text runs on PostgreSQL and SQLite (`$1` placeholders work on both): every
+//! statement goes through [`Conn`], the one place that dispatches on the backend.
 
 use anyhow::{bail, Context};
 use idempotency::{PgStore, SqliteStore, Store};
 use sqlx::{
     postgres::PgPoolOptions,
+    postgres::PgRow,
+    sqlite::SqliteRow,
     sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous},
-    PgConnection, PgPool, Postgres, Sqlite, SqliteConnection, SqlitePool, Transaction,
+    Arguments, Database, Encode, FromRow, PgConnection, PgPool, Postgres, Sqlite, SqliteConnection,
+    SqlitePool, Transaction, Type,
 };
 use std::{str::FromStr, time::Duration};
 
 /// Lock id for `pg_advisory_xact_lock` while the shop migrates ("shop" in ASCII).
 const SHOP_MIGRATION_LOCK: i64 = 0x7368_6f70;
 
-/// Runs one expression against either backend of a [`Conn`]: the body is expanded once per
-/// backend, so `sqlx::query(..).execute(&mut *c)` type-checks against each.
-#[macro_export]
-macro_rules! on_conn {
-    ($conn:expr, |$c:ident| $body:expr) => {
-        match $conn {
-            $crate::db::Conn::Pg($c) => $body,
-            $crate::db::Conn::Sqlite($c) => $body,
-        }
-    };
-}
-
-/// A borrowed connection of either backend (a pool connection or a transaction).
+/// A borrowed connection of either backend (a pool connection or a transaction): the one way
+/// the shop runs a statement. Write the SQL once ([`sql`]; `$1` placeholders work on both
+/// backends) and run it with [`execute`](Self::execute), [`fetch_one`](Self::fetch_one),
+/// [`fetch_optional`](Self::fetch_optional), [`fetch_all`](Self::fetch_all) or
+/// [`scalar`](Self::scalar); each matches on the backend once.
 #[derive(Debug)]
 pub enum Conn<'a> {
     /// PostgreSQL.
     Pg(&'a mut PgConnection),
     /// SQLite.
     Sqlite(&'a mut SqliteConnection),
+}
+
+/// A row type both backends decode (`#[derive(sqlx::FromRow)]` structs and tuples).
+pub trait Row: for<'r> FromRow<'r, PgRow> + for<'r> FromRow<'r, SqliteRow> + Send + Unpin {}
+
+impl<T> Row for T where T: for<'r> FromRow<'r, PgRow> + for<'r> FromRow<'r, SqliteRow> + Send + Unpin
+{}
+
+/// One argument of a [`Sql`] statement (made by `From` from integers and strings).
+#[derive(Debug, Clone)]
+pub enum Arg {
+    /// An integer (`BIGINT` / `INTEGER`).
+    Int(i64),
+    /// Text.
+    Text(String),
+}
+
+impl From<i64> for Arg {
+    fn from(value: i64) -> Self {
+        Arg::Int(value)
+    }
+}
+
+impl From<u64> for Arg {
+    fn from(value: u64) -> Self {
+        Arg::Int(i64::try_from(value).unwrap_or(i64::MAX))
+    }
+}
+
+impl From<&str> for Arg {
+    fn from(value: &str) -> Self {
+        Arg::Text(value.to_owned())
+    }
+}
+
+impl From<&String> for Arg {
+    fn from(value: &String) -> Self {
+        Arg::Text(value.clone())
+    }
+}
+
+impl From<String> for Arg {
+    fn from(value: String) -> Self {
+        Arg::Text(value)
+    }
+}
+
+/// A statement and its arguments, for [`Conn`]: `sql("… WHERE id = $1").bind(id)`.
+#[derive(Debug, Clone)]
+pub struct Sql<'q> {
+    text: &'q str,
+    args: Vec<Arg>,
+}
+
+/// Starts a statement (see [`Conn`]).
+pub fn sql(text: &str) -> Sql<'_> {
+    Sql {
+        text,
+        args: Vec::new(),
+    }
+}
+
+impl<'q> Sql<'q> {
+    /// Binds the next `$n` placeholder.
+    pub fn bind(mut self, value: impl Into<Arg>) -> Self {
+        self.args.push(value.into());
+        self
+    }
+
+    fn arguments<DB: Database>(&self) -> Result<<DB as Database>::Arguments<'q>, sqlx::Error>
+    where
+        i64: for<'e> Encode<'e, DB> + Type<DB>,
+        String: for<'e> Encode<'e, DB> + Type<DB>,
+    {
+        let mut arguments = <DB as Database>::Arguments::default();
+        for arg in &self.args {
+            match arg {
+                Arg::Int(value) => arguments.add(*value),
+                Arg::Text(value) => arguments.add(value.clone()),
+            }
+            .map_err(sqlx::Error::Encode)?;
+        }
+        Ok(arguments)
+    }
 }
 
 impl Conn<'_> {
@@ -44,6 +123,87 @@ impl Conn<'_> {
             Conn::Pg(c) => Conn::Pg(c),
             Conn::Sqlite(c) => Conn::Sqlite(c),
         }
+    }
+
+    /// Runs a statement; returns the number of rows it affected.
+    pub async fn execute(&mut self, sql: Sql<'_>) -> Result<u64, sqlx::Error> {
+        Ok(match self {
+            Conn::Pg(c) => sqlx::query_with(sql.text, sql.arguments::<Postgres>()?)
+                .execute(&mut **c)
+                .await?
+                .rows_affected(),
+            Conn::Sqlite(c) => sqlx::query_with(sql.text, sql.arguments::<Sqlite>()?)
+                .execute(&mut **c)
+                .await?
+                .rows_affected(),
+        })
+    }
+
+    /// The one row a statement returns.
+    pub async fn fetch_one<T: Row>(&mut self, sql: Sql<'_>) -> Result<T, sqlx::Error> {
+        match self {
+            Conn::Pg(c) => {
+                sqlx::query_as_with(sql.text, sql.arguments::<Postgres>()?)
+                    .fetch_one(&mut **c)
+                    .await
+            }
+            Conn::Sqlite(c) => {
+                sqlx::query_as_with(sql.text, sql.arguments::<Sqlite>()?)
+                    .fetch_one(&mut **c)
+                    .await
+            }
+        }
+    }
+
+    /// The row a statement returns, if any.
+    pub async fn fetch_optional<T: Row>(&mut self, sql: Sql<'_>) -> Result<Option<T>, sqlx::Error> {
+        match self {
+            Conn::Pg(c) => {
+                sqlx::query_as_with(sql.text, sql.arguments::<Postgres>()?)
+                    .fetch_optional(&mut **c)
+                    .await
+            }
+            Conn::Sqlite(c) => {
+                sqlx::query_as_with(sql.text, sql.arguments::<Sqlite>()?)
+                    .fetch_optional(&mut **c)
+                    .await
+            }
+        }
+    }
+
+    /// Every row a statement returns.
+    pub async fn fetch_all<T: Row>(&mut self, sql: Sql<'_>) -> Result<Vec<T>, sqlx::Error> {
+        match self {
+            Conn::Pg(c) => {
+                sqlx::query_as_with(sql.text, sql.arguments::<Postgres>()?)
+                    .fetch_all(&mut **c)
+                    .await
+            }
+            Conn::Sqlite(c) => {
+                sqlx::query_as_with(sql.text, sql.arguments::<Sqlite>()?)
+                    .fetch_all(&mut **c)
+                    .await
+            }
+        }
+    }
+
+    /// The first column of the one row a statement returns.
+    pub async fn scalar<T>(&mut self, sql: Sql<'_>) -> Result<T, sqlx::Error>
+    where
+        (T,): Row,
+    {
+        self.fetch_one::<(T,)>(sql).await.map(|(value,)| value)
+    }
+
+    /// The first column of the row a statement returns, if any.
+    pub async fn scalar_optional<T>(&mut self, sql: Sql<'_>) -> Result<Option<T>, sqlx::Error>
+    where
+        (T,): Row,
+    {
+        Ok(self
+            .fetch_optional::<(T,)>(sql)
+            .await?
+            .map(|(value,)| value))
     }
 }
 
@@ -82,41 +242,20 @@ impl Tx {
     }
 }
 
-/// A store whose business transactions can be carried as a [`Tx`].
-pub trait Backend: Store {
-    /// Wraps a transaction of this backend.
-    fn wrap(tx: Transaction<'static, Self::Database>) -> Tx;
-    /// Unwraps a transaction of this backend; `None` for the other backend's.
-    fn unwrap(tx: Tx) -> Option<Transaction<'static, Self::Database>>;
+/// A store whose business transactions the shop's statements run on, through [`Conn`]: what
+/// lets an operation be written once for every backend (`impl<S: StoreConn> Operation<S>`).
+pub trait StoreConn: Store {
     /// The connection of a transaction of this backend, for statements.
     fn conn<'a>(tx: &'a mut Transaction<'static, Self::Database>) -> Conn<'a>;
 }
 
-impl Backend for PgStore {
-    fn wrap(tx: Transaction<'static, Postgres>) -> Tx {
-        Tx::Pg(tx)
-    }
-    fn unwrap(tx: Tx) -> Option<Transaction<'static, Postgres>> {
-        match tx {
-            Tx::Pg(tx) => Some(tx),
-            Tx::Sqlite(_) => None,
-        }
-    }
+impl StoreConn for PgStore {
     fn conn<'a>(tx: &'a mut Transaction<'static, Postgres>) -> Conn<'a> {
         Conn::Pg(tx)
     }
 }
 
-impl Backend for SqliteStore {
-    fn wrap(tx: Transaction<'static, Sqlite>) -> Tx {
-        Tx::Sqlite(tx)
-    }
-    fn unwrap(tx: Tx) -> Option<Transaction<'static, Sqlite>> {
-        match tx {
-            Tx::Sqlite(tx) => Some(tx),
-            Tx::Pg(_) => None,
-        }
-    }
+impl StoreConn for SqliteStore {
     fn conn<'a>(tx: &'a mut Transaction<'static, Sqlite>) -> Conn<'a> {
         Conn::Sqlite(tx)
     }

@@ -8,8 +8,7 @@
 //!    the call) parks the key as *needs review*, never a second e-mail.
 
 use crate::{
-    db::{Backend, Conn},
-    on_conn,
+    db::{sql, Conn, StoreConn},
     outbox::{PurchasePaid, PURCHASE_PAID},
     providers::MailProvider,
     purchase::call_error,
@@ -33,16 +32,17 @@ impl PurchaseEvents {
 /// Grants the order's points once: the unique constraint on `order_id` turns a second grant
 /// into nothing. Returns whether this call granted them.
 async fn grant_points(mut conn: Conn<'_>, event: &PurchasePaid) -> Result<bool, sqlx::Error> {
-    let granted = on_conn!(conn.reborrow(), |c| sqlx::query(
-        "INSERT INTO shop_point_grants (order_id, user_id, points) VALUES ($1, $2, $3)
-         ON CONFLICT (order_id) DO NOTHING"
-    )
-    .bind(event.order_id)
-    .bind(&event.user_id)
-    .bind(event.points())
-    .execute(&mut *c)
-    .await?
-    .rows_affected());
+    let granted = conn
+        .execute(
+            sql(
+                "INSERT INTO shop_point_grants (order_id, user_id, points) VALUES ($1, $2, $3)
+                 ON CONFLICT (order_id) DO NOTHING",
+            )
+            .bind(event.order_id)
+            .bind(&event.user_id)
+            .bind(event.points()),
+        )
+        .await?;
     Ok(granted == 1)
 }
 
@@ -51,16 +51,15 @@ async fn record_receipt(
     event: &PurchasePaid,
     message_id: &str,
 ) -> Result<(), sqlx::Error> {
-    on_conn!(conn.reborrow(), |c| sqlx::query(
-        "INSERT INTO shop_emails (user_id, recipient, subject, message_id) VALUES ($1, $2, $3, $4)"
+    conn.execute(
+        sql("INSERT INTO shop_emails (user_id, recipient, subject,
+             message_id) VALUES ($1, $2, $3, $4)")
+        .bind(&event.user_id)
+        .bind(recipient(event))
+        .bind(subject(event))
+        .bind(message_id),
     )
-    .bind(&event.user_id)
-    .bind(recipient(event))
-    .bind(subject(event))
-    .bind(message_id)
-    .execute(&mut *c)
-    .await?
-    .rows_affected());
+    .await?;
     Ok(())
 }
 
@@ -72,7 +71,7 @@ fn subject(event: &PurchasePaid) -> String {
     format!("receipt for purchase {}", event.purchase_id)
 }
 
-impl<S: Backend> Operation<S> for PurchaseEvents {
+impl<S: StoreConn> Operation<S> for PurchaseEvents {
     type Request = PurchasePaid;
     type Response = Value;
 

@@ -5,10 +5,7 @@
 //! (a crash between the confirm and the delete publishes the row again), and the consumer
 //! (`shop worker`) removes the duplicates by message id.
 
-use crate::{
-    db::{Conn, ShopDb},
-    on_conn,
-};
+use crate::db::{sql, Conn, ShopDb};
 use anyhow::Context;
 use idempotency_amqp::Topology;
 use lapin::{
@@ -57,17 +54,13 @@ impl PurchasePaid {
 /// Writes `event` into the outbox, on the purchase's transaction.
 pub async fn record(mut conn: Conn<'_>, event: &PurchasePaid) -> Result<(), sqlx::Error> {
     let payload = serde_json::to_string(event).expect("an event serialises");
-    on_conn!(conn.reborrow(), |c| {
-        sqlx::query(
-            "INSERT INTO shop_outbox (message_id, message_type, payload) VALUES ($1, $2, $3)",
-        )
-        .bind(event.message_id())
-        .bind(PURCHASE_PAID)
-        .bind(&payload)
-        .execute(&mut *c)
-        .await?
-        .rows_affected()
-    });
+    conn.execute(
+        sql("INSERT INTO shop_outbox (message_id, message_type, payload) VALUES ($1, $2, $3)")
+            .bind(event.message_id())
+            .bind(PURCHASE_PAID)
+            .bind(&payload),
+    )
+    .await?;
     Ok(())
 }
 
@@ -83,11 +76,9 @@ struct Row {
 /// How many rows wait in the outbox.
 pub async fn pending(db: &ShopDb) -> Result<i64, sqlx::Error> {
     let mut read = db.read().await?;
-    Ok(on_conn!(read.conn(), |c| sqlx::query_scalar(
-        "SELECT count(*) FROM shop_outbox"
-    )
-    .fetch_one(&mut *c)
-    .await?))
+    read.conn()
+        .scalar(sql("SELECT count(*) FROM shop_outbox"))
+        .await
 }
 
 /// The relay: publishes the outbox to [`PURCHASES_QUEUE`] with publisher confirms, then deletes
@@ -187,24 +178,18 @@ impl Relay {
 
     async fn next_rows(&self) -> Result<Vec<Row>, sqlx::Error> {
         let mut read = self.db.read().await?;
-        Ok(on_conn!(read.conn(), |c| sqlx::query_as::<_, Row>(
-            "SELECT id, message_id, message_type, payload FROM shop_outbox ORDER BY id LIMIT $1"
-        )
-        .bind(self.batch)
-        .fetch_all(&mut *c)
-        .await?))
+        let rows = sql(
+            "SELECT id, message_id, message_type, payload FROM shop_outbox ORDER BY id LIMIT $1",
+        );
+        read.conn().fetch_all(rows.bind(self.batch)).await
     }
 
     async fn delete(&self, ids: &[i64]) -> Result<(), sqlx::Error> {
         let mut tx = self.db.begin().await?;
         for id in ids {
-            on_conn!(tx.conn(), |c| sqlx::query(
-                "DELETE FROM shop_outbox WHERE id = $1"
-            )
-            .bind(id)
-            .execute(&mut *c)
-            .await?
-            .rows_affected());
+            tx.conn()
+                .execute(sql("DELETE FROM shop_outbox WHERE id = $1").bind(*id))
+                .await?;
         }
         tx.commit().await
     }

@@ -12,7 +12,7 @@
 //! Both write through their own pool ([`ProviderDb`]), never inside the shop's transaction,
 //! exactly like a remote service would.
 
-use crate::{db::ProviderDb, on_conn};
+use crate::db::{sql, ProviderDb};
 use rand::Rng;
 use std::time::Duration;
 
@@ -87,27 +87,27 @@ impl PaymentProvider {
         }
         let charge_id = format!("ch_{}", uuid::Uuid::new_v4().simple());
         let mut conn = self.db.conn().await?;
-        let (charge_id, charged_account, charged): (String, String, i64) = on_conn!(
-            conn.conn(),
-            |c| {
-                sqlx::query(
-                    "INSERT INTO payment_provider_charges (provider_key, charge_id, account, amount_cents)
+        let (charge_id, charged_account, charged): (String, String, i64) = {
+            let mut c = conn.conn();
+            c.execute(
+                sql(
+                    "INSERT INTO payment_provider_charges (provider_key, charge_id,
+                     account, amount_cents)
                      VALUES ($1, $2, $3, $4) ON CONFLICT (provider_key) DO NOTHING",
                 )
                 .bind(provider_key)
                 .bind(&charge_id)
                 .bind(account)
-                .bind(amount_cents)
-                .execute(&mut *c)
-                .await?;
-                sqlx::query_as(
-                    "SELECT charge_id, account, amount_cents FROM payment_provider_charges WHERE provider_key = $1",
-                )
-                .bind(provider_key)
-                .fetch_one(&mut *c)
-                .await?
-            }
-        );
+                .bind(amount_cents),
+            )
+            .await?;
+            c.fetch_one(
+                sql("SELECT charge_id, account, amount_cents FROM
+                     payment_provider_charges WHERE provider_key = $1")
+                .bind(provider_key),
+            )
+            .await?
+        };
         if charged != amount_cents || charged_account != account {
             return Err(ProviderError::Refused(format!(
                 "key {provider_key} was used for {charged} cents on another request"
@@ -131,14 +131,16 @@ impl PaymentProvider {
             tokio::time::sleep(self.faults.latency).await;
         }
         let mut conn = self.db.conn().await?;
-        let found: Option<(String, i64)> = on_conn!(conn.conn(), |c| {
-            sqlx::query_as(
-            "SELECT charge_id, amount_cents FROM payment_provider_charges WHERE provider_key = $1"
-        )
-        .bind(provider_key)
-        .fetch_optional(&mut *c)
-        .await?
-        });
+        let found: Option<(String, i64)> = conn
+            .conn()
+            .fetch_optional(
+                sql(
+                    "SELECT charge_id, amount_cents FROM payment_provider_charges
+                     WHERE provider_key = $1",
+                )
+                .bind(provider_key),
+            )
+            .await?;
         Ok(found.map(|(charge_id, amount_cents)| Charge {
             charge_id,
             amount_cents,
@@ -149,23 +151,21 @@ impl PaymentProvider {
     /// second call returns the first refund's id. Never fails by injection.
     pub async fn refund(&self, refund_key: &str, charge_id: &str) -> Result<String, ProviderError> {
         let mut conn = self.db.conn().await?;
-        let refunded: Option<String> = on_conn!(conn.conn(), |c| {
-            sqlx::query(
+        let refunded: Option<String> = {
+            let mut c = conn.conn();
+            let refund = sql(
                 "INSERT INTO payment_provider_refunds (refund_key, charge_id, amount_cents)
-                 SELECT $1, charge_id, amount_cents FROM payment_provider_charges WHERE charge_id = $2
+                 SELECT $1, charge_id, amount_cents FROM payment_provider_charges
+                 WHERE charge_id = $2
                  ON CONFLICT DO NOTHING",
+            );
+            c.execute(refund.bind(refund_key).bind(charge_id)).await?;
+            c.scalar_optional(
+                sql("SELECT refund_key FROM payment_provider_refunds WHERE charge_id = $1")
+                    .bind(charge_id),
             )
-            .bind(refund_key)
-            .bind(charge_id)
-            .execute(&mut *c)
-            .await?;
-            sqlx::query_scalar(
-                "SELECT refund_key FROM payment_provider_refunds WHERE charge_id = $1",
-            )
-            .bind(charge_id)
-            .fetch_optional(&mut *c)
             .await?
-        });
+        };
         refunded.ok_or_else(|| ProviderError::Refused(format!("no charge {charge_id} to refund")))
     }
 }
@@ -198,20 +198,18 @@ impl MailProvider {
         }
         let message_id = format!("msg_{}", uuid::Uuid::new_v4().simple());
         let mut conn = self.db.conn().await?;
-        on_conn!(conn.conn(), |c| {
-            sqlx::query(
-                "INSERT INTO mail_provider_messages (message_id, account, recipient, subject, client_ref)
-                 VALUES ($1, $2, $3, $4, $5)",
+        conn.conn()
+            .execute(
+                sql("INSERT INTO mail_provider_messages (message_id, account,
+                     recipient, subject, client_ref)
+                     VALUES ($1, $2, $3, $4, $5)")
+                .bind(&message_id)
+                .bind(account)
+                .bind(recipient)
+                .bind(subject)
+                .bind(client_ref),
             )
-            .bind(&message_id)
-            .bind(account)
-            .bind(recipient)
-            .bind(subject)
-            .bind(client_ref)
-            .execute(&mut *c)
-            .await?
-            .rows_affected()
-        });
+            .await?;
         if fault == Some(true) {
             return Err(ProviderError::Unknown("connection reset after sending"));
         }

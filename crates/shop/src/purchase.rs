@@ -17,8 +17,7 @@
 //! failed.
 
 use crate::{
-    db::{Backend, Conn},
-    on_conn,
+    db::{sql, Conn, StoreConn},
     problem::{Problem, ShopProblem},
     protect::PURCHASE,
     providers::{Charge, PaymentProvider, ProviderError},
@@ -91,14 +90,13 @@ pub enum Placed {
 
 /// Creates the user with the start balance if it is new.
 pub async fn ensure_user(conn: &mut Conn<'_>, user: &str) -> Result<(), sqlx::Error> {
-    on_conn!(conn.reborrow(), |c| sqlx::query(
-        "INSERT INTO shop_users (id, balance_cents) VALUES ($1, $2) ON CONFLICT (id) DO NOTHING"
+    conn.execute(
+        sql("INSERT INTO shop_users (id, balance_cents) VALUES ($1, $2)
+             ON CONFLICT (id) DO NOTHING")
+        .bind(user)
+        .bind(START_BALANCE_CENTS),
     )
-    .bind(user)
-    .bind(START_BALANCE_CENTS)
-    .execute(&mut *c)
-    .await?
-    .rows_affected());
+    .await?;
     Ok(())
 }
 
@@ -109,24 +107,20 @@ pub async fn debit(
     user: &str,
     amount: i64,
 ) -> Result<Result<(), i64>, sqlx::Error> {
-    let debited = on_conn!(conn.reborrow(), |c| sqlx::query(
-        "UPDATE shop_users SET balance_cents = balance_cents - $2
-         WHERE id = $1 AND balance_cents >= $2"
-    )
-    .bind(user)
-    .bind(amount)
-    .execute(&mut *c)
-    .await?
-    .rows_affected());
+    let debited = conn
+        .execute(
+            sql("UPDATE shop_users SET balance_cents = balance_cents - $2
+                 WHERE id = $1 AND balance_cents >= $2")
+            .bind(user)
+            .bind(amount),
+        )
+        .await?;
     if debited == 1 {
         return Ok(Ok(()));
     }
-    let balance: i64 = on_conn!(conn.reborrow(), |c| sqlx::query_scalar(
-        "SELECT balance_cents FROM shop_users WHERE id = $1"
-    )
-    .bind(user)
-    .fetch_one(&mut *c)
-    .await?);
+    let balance: i64 = conn
+        .scalar(sql("SELECT balance_cents FROM shop_users WHERE id = $1").bind(user))
+        .await?;
     Ok(Err(balance))
 }
 
@@ -139,17 +133,19 @@ pub async fn insert_order(
     amount: i64,
     status: &str,
 ) -> Result<i64, sqlx::Error> {
-    Ok(on_conn!(conn.reborrow(), |c| sqlx::query_scalar(
+    let insert = sql(
         "INSERT INTO shop_orders (user_id, sku, quantity, amount_cents, status)
-         VALUES ($1, $2, $3, $4, $5) RETURNING id"
+         VALUES ($1, $2, $3, $4, $5) RETURNING id",
+    );
+    conn.scalar(
+        insert
+            .bind(user)
+            .bind(sku)
+            .bind(quantity)
+            .bind(amount)
+            .bind(status),
     )
-    .bind(user)
-    .bind(sku)
-    .bind(quantity)
-    .bind(amount)
-    .bind(status)
-    .fetch_one(&mut *c)
-    .await?))
+    .await
 }
 
 /// Step 1: the user, the debit and the order in `pending_payment`.
@@ -196,35 +192,32 @@ pub async fn mark_paid(
     charge: &Charge,
     outbox: bool,
 ) -> Result<Value, Box<dyn std::error::Error + Send + Sync>> {
-    let paid = on_conn!(conn.reborrow(), |c| {
-        sqlx::query(
-        "UPDATE shop_orders SET status = 'paid', charge_id = $2 WHERE id = $1 AND status = 'pending_payment'"
-    )
-    .bind(order)
-    .bind(&charge.charge_id)
-    .execute(&mut *c)
-    .await?
-    .rows_affected()
-    });
-    if paid != 1 {
-        let status: Option<String> = on_conn!(conn.reborrow(), |c| sqlx::query_scalar(
-            "SELECT status FROM shop_orders WHERE id = $1"
+    let paid = conn
+        .execute(
+            sql(
+                "UPDATE shop_orders SET status = 'paid', charge_id = $2 WHERE
+                 id = $1 AND status = 'pending_payment'",
+            )
+            .bind(order)
+            .bind(&charge.charge_id),
         )
-        .bind(order)
-        .fetch_optional(&mut *c)
-        .await?);
+        .await?;
+    if paid != 1 {
+        let status: Option<String> = conn
+            .scalar_optional(sql("SELECT status FROM shop_orders WHERE id = $1").bind(order))
+            .await?;
         if status.as_deref() == Some("paid") {
             return Err(Box::new(PaidByAnother(order)));
         }
         return Err(Box::new(OrderGone(order)));
     }
-    let purchase_id: i64 = on_conn!(conn.reborrow(), |c| sqlx::query_scalar(
-        "INSERT INTO shop_purchases (user_id, order_id) VALUES ($1, $2) RETURNING id"
-    )
-    .bind(&request.user)
-    .bind(order)
-    .fetch_one(&mut *c)
-    .await?);
+    let purchase_id: i64 = conn
+        .scalar(
+            sql("INSERT INTO shop_purchases (user_id, order_id) VALUES ($1, $2) RETURNING id")
+                .bind(&request.user)
+                .bind(order),
+        )
+        .await?;
     if outbox {
         let event = crate::outbox::PurchasePaid {
             purchase_id,
@@ -253,24 +246,20 @@ pub async fn cancel_order(
     order: i64,
     amount: i64,
 ) -> Result<(), sqlx::Error> {
-    let cancelled = on_conn!(conn.reborrow(), |c| {
-        sqlx::query(
-        "UPDATE shop_orders SET status = 'cancelled' WHERE id = $1 AND status = 'pending_payment'"
-    )
-    .bind(order)
-    .execute(&mut *c)
-    .await?
-    .rows_affected()
-    });
-    if cancelled == 1 {
-        on_conn!(conn.reborrow(), |c| sqlx::query(
-            "UPDATE shop_users SET balance_cents = balance_cents + $2 WHERE id = $1"
+    let cancelled = conn
+        .execute(
+            sql("UPDATE shop_orders SET status = 'cancelled' WHERE id = $1
+                 AND status = 'pending_payment'")
+            .bind(order),
         )
-        .bind(user)
-        .bind(amount)
-        .execute(&mut *c)
-        .await?
-        .rows_affected());
+        .await?;
+    if cancelled == 1 {
+        conn.execute(
+            sql("UPDATE shop_users SET balance_cents = balance_cents + $2 WHERE id = $1")
+                .bind(user)
+                .bind(amount),
+        )
+        .await?;
     }
     Ok(())
 }
@@ -331,7 +320,7 @@ impl Purchase {
     }
 }
 
-impl<S: Backend> Operation<S> for Purchase {
+impl<S: StoreConn> Operation<S> for Purchase {
     type Request = PurchaseRequest;
     type Response = StoredResponse;
 
@@ -451,7 +440,7 @@ impl<S: Backend> Operation<S> for Purchase {
 }
 
 /// Settles the purchase as failed: the debit back, the order cancelled, a definitive 502.
-async fn fail<S: Backend>(
+async fn fail<S: StoreConn>(
     steps: &mut Steps<S>,
     request: &PurchaseRequest,
     order: i64,

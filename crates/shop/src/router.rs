@@ -3,6 +3,7 @@
 
 use crate::{
     auth::authenticate,
+    db::sql,
     metrics,
     problem::{Problem, ShopProblem, BODY_LIMIT},
     protect::{layer, KeyedRoute, CREATE_ORDER, PURCHASE, SEND_EMAIL},
@@ -74,10 +75,10 @@ pub fn router(app: App, config: &Config) -> Router {
 
 async fn healthz(State(app): State<App>) -> Response {
     let ok = match app.db().read().await {
-        Ok(mut conn) => crate::on_conn!(conn.conn(), |c| sqlx::query("SELECT 1")
-            .execute(&mut *c)
-            .await
-            .is_ok()),
+        Ok(mut conn) => {
+            let mut c = conn.conn();
+            c.execute(sql("SELECT 1")).await.is_ok()
+        }
         Err(_) => false,
     };
     if ok {

@@ -10,8 +10,7 @@
 
 use crate::{
     auth::UserId,
-    db::Backend,
-    on_conn,
+    db::{sql, StoreConn},
     problem::{Disposition, JsonBody, Problem, ShopProblem},
     providers::ProviderError,
     purchase::{
@@ -118,7 +117,7 @@ pub async fn purchase(
     }
 }
 
-async fn perform<S: Backend>(
+async fn perform<S: StoreConn>(
     engine: &Idempotency<S>,
     operation: &Purchase,
     held: KeyLease<S>,
@@ -266,15 +265,18 @@ pub async fn get_order(
 ) -> Answer {
     let Path(id) = id.map_err(path_problem)?;
     let mut conn = app.db().read().await.map_err(|e| Problem::database(&e))?;
-    let row: Option<OrderRow> = on_conn!(conn.conn(), |c| sqlx::query_as(
-        "SELECT id, sku, quantity, amount_cents, status, charge_id FROM shop_orders
-         WHERE id = $1 AND user_id = $2"
-    )
-    .bind(id)
-    .bind(&user.0)
-    .fetch_optional(&mut *c)
-    .await
-    .map_err(|e| Problem::database(&e))?);
+    let row: Option<OrderRow> = conn
+        .conn()
+        .fetch_optional(
+            sql(
+                "SELECT id, sku, quantity, amount_cents, status, charge_id FROM shop_orders
+                 WHERE id = $1 AND user_id = $2",
+            )
+            .bind(id)
+            .bind(&user.0),
+        )
+        .await
+        .map_err(|e| Problem::database(&e))?;
     match row {
         Some(row) => Ok((StatusCode::OK, Json(order_json(row)))),
         None => Err(Problem::not_found(format!("you have no order {id}"))),
@@ -291,25 +293,29 @@ pub async fn pay_order(
     mut tx: BusinessTx,
 ) -> Answer {
     let Path(id) = id.map_err(path_problem)?;
-    let amount: Option<i64> = on_conn!(tx.conn(), |c| sqlx::query_scalar(
-        "UPDATE shop_orders SET status = 'paid'
-         WHERE id = $1 AND user_id = $2 AND status = 'unpaid' RETURNING amount_cents"
-    )
-    .bind(id)
-    .bind(&user.0)
-    .fetch_optional(&mut *c)
-    .await
-    .map_err(|e| Problem::database(&e))?);
-    let Some(amount) = amount else {
-        let existing: Option<OrderRow> = on_conn!(tx.conn(), |c| sqlx::query_as(
-            "SELECT id, sku, quantity, amount_cents, status, charge_id FROM shop_orders
-             WHERE id = $1 AND user_id = $2"
+    let amount: Option<i64> = tx
+        .conn()
+        .scalar_optional(
+            sql("UPDATE shop_orders SET status = 'paid'
+                 WHERE id = $1 AND user_id = $2 AND status = 'unpaid' RETURNING amount_cents")
+            .bind(id)
+            .bind(&user.0),
         )
-        .bind(id)
-        .bind(&user.0)
-        .fetch_optional(&mut *c)
         .await
-        .map_err(|e| Problem::database(&e))?);
+        .map_err(|e| Problem::database(&e))?;
+    let Some(amount) = amount else {
+        let existing: Option<OrderRow> = tx
+            .conn()
+            .fetch_optional(
+                sql(
+                    "SELECT id, sku, quantity, amount_cents, status, charge_id FROM shop_orders
+                     WHERE id = $1 AND user_id = $2",
+                )
+                .bind(id)
+                .bind(&user.0),
+            )
+            .await
+            .map_err(|e| Problem::database(&e))?;
         let Some(existing) = existing else {
             return Err(Problem::not_found(format!("you have no order {id}")));
         };
@@ -326,15 +332,16 @@ pub async fn pay_order(
         .charge(&format!("shop:order-pay:{id}"), &user.0, amount)
         .await
         .map_err(payment_problem)?;
-    let row: OrderRow = on_conn!(tx.conn(), |c| sqlx::query_as(
-        "UPDATE shop_orders SET charge_id = $2 WHERE id = $1
-         RETURNING id, sku, quantity, amount_cents, status, charge_id"
-    )
-    .bind(id)
-    .bind(&charge.charge_id)
-    .fetch_one(&mut *c)
-    .await
-    .map_err(|e| Problem::database(&e))?);
+    let row: OrderRow = tx
+        .conn()
+        .fetch_one(
+            sql("UPDATE shop_orders SET charge_id = $2 WHERE id = $1
+                 RETURNING id, sku, quantity, amount_cents, status, charge_id")
+            .bind(id)
+            .bind(&charge.charge_id),
+        )
+        .await
+        .map_err(|e| Problem::database(&e))?;
     let mut body = order_json(row);
     body["already_paid"] = json!(false);
     Ok((StatusCode::OK, Json(body)))
@@ -367,14 +374,15 @@ pub async fn grant_points(
             ),
         ));
     }
-    let status: Option<String> = on_conn!(tx.conn(), |c| sqlx::query_scalar(
-        "SELECT status FROM shop_orders WHERE id = $1 AND user_id = $2"
-    )
-    .bind(request.order_id)
-    .bind(&user.0)
-    .fetch_optional(&mut *c)
-    .await
-    .map_err(|e| Problem::database(&e))?);
+    let status: Option<String> = tx
+        .conn()
+        .scalar_optional(
+            sql("SELECT status FROM shop_orders WHERE id = $1 AND user_id = $2")
+                .bind(request.order_id)
+                .bind(&user.0),
+        )
+        .await
+        .map_err(|e| Problem::database(&e))?;
     match status.as_deref() {
         None => {
             return Err(Problem::not_found(format!(
@@ -394,16 +402,19 @@ pub async fn grant_points(
             ))
         }
     }
-    let inserted: Option<i64> = on_conn!(tx.conn(), |c| sqlx::query_scalar(
-        "INSERT INTO shop_point_grants (order_id, user_id, points) VALUES ($1, $2, $3)
-         ON CONFLICT (order_id) DO NOTHING RETURNING id"
-    )
-    .bind(request.order_id)
-    .bind(&user.0)
-    .bind(request.points)
-    .fetch_optional(&mut *c)
-    .await
-    .map_err(|e| Problem::database(&e))?);
+    let inserted: Option<i64> = tx
+        .conn()
+        .scalar_optional(
+            sql(
+                "INSERT INTO shop_point_grants (order_id, user_id, points) VALUES ($1, $2, $3)
+                 ON CONFLICT (order_id) DO NOTHING RETURNING id",
+            )
+            .bind(request.order_id)
+            .bind(&user.0)
+            .bind(request.points),
+        )
+        .await
+        .map_err(|e| Problem::database(&e))?;
     if let Some(grant_id) = inserted {
         return Ok((
             StatusCode::CREATED,
@@ -412,13 +423,14 @@ pub async fn grant_points(
             ),
         ));
     }
-    let (grant_id, points): (i64, i64) = on_conn!(tx.conn(), |c| sqlx::query_as(
-        "SELECT id, points FROM shop_point_grants WHERE order_id = $1"
-    )
-    .bind(request.order_id)
-    .fetch_one(&mut *c)
-    .await
-    .map_err(|e| Problem::database(&e))?);
+    let (grant_id, points): (i64, i64) = tx
+        .conn()
+        .fetch_one(
+            sql("SELECT id, points FROM shop_point_grants WHERE order_id = $1")
+                .bind(request.order_id),
+        )
+        .await
+        .map_err(|e| Problem::database(&e))?;
     Ok((
         StatusCode::OK,
         Json(
@@ -487,18 +499,18 @@ pub async fn send_email(
             .with_disposition(Disposition::Park(format!("mail provider: {e}"))))
         }
     };
-    let email_id: i64 = on_conn!(tx.conn(), |c| {
-        sqlx::query_scalar(
-        "INSERT INTO shop_emails (user_id, recipient, subject, message_id) VALUES ($1, $2, $3, $4) RETURNING id"
-    )
-    .bind(&user.0)
-    .bind(to)
-    .bind(&request.subject)
-    .bind(&message_id)
-    .fetch_one(&mut *c)
-    .await
-    .map_err(|e| Problem::database(&e))?
-    });
+    let email_id: i64 = tx
+        .conn()
+        .scalar(
+            sql("INSERT INTO shop_emails (user_id, recipient, subject,
+                 message_id) VALUES ($1, $2, $3, $4) RETURNING id")
+            .bind(&user.0)
+            .bind(to)
+            .bind(&request.subject)
+            .bind(&message_id),
+        )
+        .await
+        .map_err(|e| Problem::database(&e))?;
     Ok((
         StatusCode::CREATED,
         Json(json!({"email_id": email_id, "message_id": message_id, "status": "sent"})),
@@ -523,55 +535,56 @@ pub async fn ledger(
     }
     let db = |e: sqlx::Error| Problem::database(&e);
     let mut conn = app.db().read().await.map_err(db)?;
-    let (balance, orders, points, grants, recorded) = on_conn!(conn.conn(), |c| {
-        let balance: Option<i64> =
-            sqlx::query_scalar("SELECT balance_cents FROM shop_users WHERE id = $1")
-                .bind(&id)
-                .fetch_optional(&mut *c)
-                .await
-                .map_err(db)?;
-        let orders: Vec<OrderRow> = sqlx::query_as(
-            "SELECT id, sku, quantity, amount_cents, status, charge_id FROM shop_orders
-             WHERE user_id = $1 ORDER BY id",
-        )
-        .bind(&id)
-        .fetch_all(&mut *c)
-        .await
-        .map_err(db)?;
-        let (points, grants): (i64, i64) = sqlx::query_as(
-            "SELECT CAST(COALESCE(SUM(points), 0) AS BIGINT), COUNT(*) FROM shop_point_grants WHERE user_id = $1",
-        )
-        .bind(&id)
-        .fetch_one(&mut *c)
-        .await
-        .map_err(db)?;
-        let recorded: i64 =
-            sqlx::query_scalar("SELECT COUNT(*) FROM shop_emails WHERE user_id = $1")
-                .bind(&id)
-                .fetch_one(&mut *c)
-                .await
-                .map_err(db)?;
+    let (balance, orders, points, grants, recorded) = {
+        let mut c = conn.conn();
+        let balance: Option<i64> = c
+            .scalar_optional(sql("SELECT balance_cents FROM shop_users WHERE id = $1").bind(&id))
+            .await
+            .map_err(db)?;
+        let orders: Vec<OrderRow> = c
+            .fetch_all(
+                sql(
+                    "SELECT id, sku, quantity, amount_cents, status, charge_id FROM shop_orders
+                     WHERE user_id = $1 ORDER BY id",
+                )
+                .bind(&id),
+            )
+            .await
+            .map_err(db)?;
+        let (points, grants): (i64, i64) = c
+            .fetch_one(
+                sql("SELECT CAST(COALESCE(SUM(points), 0) AS BIGINT), COUNT(*)
+                     FROM shop_point_grants WHERE user_id = $1")
+                .bind(&id),
+            )
+            .await
+            .map_err(db)?;
+        let recorded: i64 = c
+            .scalar(sql("SELECT COUNT(*) FROM shop_emails WHERE user_id = $1").bind(&id))
+            .await
+            .map_err(db)?;
         (balance, orders, points, grants, recorded)
-    });
+    };
     drop(conn);
     let mut conn = app.providers().conn().await.map_err(db)?;
-    let (charges, sent) = on_conn!(conn.conn(), |c| {
-        let charges: Vec<(String, i64)> = sqlx::query_as(
-            "SELECT charge_id, amount_cents FROM payment_provider_charges
-             WHERE account = $1 ORDER BY charge_id",
-        )
-        .bind(&id)
-        .fetch_all(&mut *c)
-        .await
-        .map_err(db)?;
-        let sent: i64 =
-            sqlx::query_scalar("SELECT COUNT(*) FROM mail_provider_messages WHERE account = $1")
-                .bind(&id)
-                .fetch_one(&mut *c)
-                .await
-                .map_err(db)?;
+    let (charges, sent) = {
+        let mut c = conn.conn();
+        let charges: Vec<(String, i64)> = c
+            .fetch_all(
+                sql(
+                    "SELECT charge_id, amount_cents FROM payment_provider_charges
+                     WHERE account = $1 ORDER BY charge_id",
+                )
+                .bind(&id),
+            )
+            .await
+            .map_err(db)?;
+        let sent: i64 = c
+            .scalar(sql("SELECT COUNT(*) FROM mail_provider_messages WHERE account = $1").bind(&id))
+            .await
+            .map_err(db)?;
         (charges, sent)
-    });
+    };
     let charged_total: i64 = charges.iter().map(|(_, amount)| amount).sum();
     let paid_total: i64 = orders.iter().filter(|o| o.4 == "paid").map(|o| o.3).sum();
     Ok((

@@ -1,7 +1,7 @@
 //! The service's shared state ([`App`]) and its configuration ([`Config`]).
 
 use crate::{
-    db::{self, Backend, Kind, ProviderDb, ShopDb},
+    db::{self, Kind, ProviderDb, ShopDb, StoreConn},
     events::PurchaseEvents,
     providers::{Faults, MailProvider, PaymentProvider},
     purchase::Purchase,
@@ -172,7 +172,7 @@ impl App {
         }
     }
 
-    fn worker_on<S: Maintenance + Backend>(
+    fn worker_on<S: Maintenance + StoreConn>(
         &self,
         engine: &Idempotency<S>,
         interval: Duration,

@@ -27,8 +27,7 @@
 use crate::{
     app,
     client::{Answer, Call, Client},
-    db::{self, ProviderDb, ShopDb},
-    on_conn,
+    db::{self, sql, ProviderDb, ShopDb},
     protect::PURCHASE,
     providers::Faults,
     purchase::START_BALANCE_CENTS,
@@ -838,12 +837,14 @@ impl Audit {
     /// Keys of the run's users still pending (every operation).
     async fn pending(&self) -> anyhow::Result<i64> {
         let mut conn = self.shop.read().await?;
-        Ok(on_conn!(conn.conn(), |c| sqlx::query_scalar::<_, i64>(
-            "SELECT count(*) FROM idempotency_keys WHERE state = 'pending' AND scope LIKE $1"
-        )
-        .bind(&self.users)
-        .fetch_one(&mut *c)
-        .await?))
+        Ok(conn
+            .conn()
+            .scalar(
+                sql("SELECT count(*) FROM idempotency_keys WHERE state =
+                     'pending' AND scope LIKE $1")
+                .bind(&self.users),
+            )
+            .await?)
     }
 
     /// Polls until no key of the run is pending, at most `limit`: returns how many were pending
@@ -861,44 +862,46 @@ impl Audit {
 
     async fn load(&self) -> anyhow::Result<Tables> {
         let mut conn = self.shop.read().await?;
-        let (keys, orders) = on_conn!(conn.conn(), |c| {
-            let keys: Vec<(String, String, String, Option<Vec<u8>>)> = sqlx::query_as(
-                "SELECT scope, idem_key, state, result FROM idempotency_keys
-                 WHERE operation = $1 AND scope LIKE $2",
-            )
-            .bind(PURCHASE.operation)
-            .bind(&self.users)
-            .fetch_all(&mut *c)
-            .await?;
-            let orders: Vec<OrderRow> = sqlx::query_as(
-                "SELECT id, user_id, amount_cents, status, charge_id FROM shop_orders
-                 WHERE user_id LIKE $1",
-            )
-            .bind(&self.users)
-            .fetch_all(&mut *c)
-            .await?;
+        let (keys, orders) = {
+            let mut c = conn.conn();
+            let keys: Vec<(String, String, String, Option<Vec<u8>>)> = c
+                .fetch_all(
+                    sql("SELECT scope, idem_key, state, result FROM idempotency_keys
+                         WHERE operation = $1 AND scope LIKE $2")
+                    .bind(PURCHASE.operation)
+                    .bind(&self.users),
+                )
+                .await?;
+            let orders: Vec<OrderRow> = c
+                .fetch_all(
+                    sql(
+                        "SELECT id, user_id, amount_cents, status, charge_id FROM shop_orders
+                         WHERE user_id LIKE $1",
+                    )
+                    .bind(&self.users),
+                )
+                .await?;
             (keys, orders)
-        });
+        };
         drop(conn);
         let mut conn = self.providers.conn().await?;
-        let (charges, refunds) = on_conn!(conn.conn(), |c| {
-            let charges: Vec<ChargeRow> = sqlx::query_as(
-                "SELECT provider_key, charge_id, account, amount_cents FROM payment_provider_charges
-                 WHERE account LIKE $1",
-            )
-            .bind(&self.users)
-            .fetch_all(&mut *c)
-            .await?;
-            let refunds: Vec<(String, i64)> = sqlx::query_as(
-                "SELECT r.charge_id, r.amount_cents FROM payment_provider_refunds r
-                 JOIN payment_provider_charges c ON c.charge_id = r.charge_id
-                 WHERE c.account LIKE $1",
-            )
-            .bind(&self.users)
-            .fetch_all(&mut *c)
-            .await?;
+        let (charges, refunds) = {
+            let mut c = conn.conn();
+            let charges = sql("SELECT provider_key, charge_id, account, amount_cents
+                 FROM payment_provider_charges WHERE account LIKE $1");
+            let charges: Vec<ChargeRow> = c.fetch_all(charges.bind(&self.users)).await?;
+            let refunds: Vec<(String, i64)> = c
+                .fetch_all(
+                    sql(
+                        "SELECT r.charge_id, r.amount_cents FROM payment_provider_refunds r
+                         JOIN payment_provider_charges c ON c.charge_id = r.charge_id
+                         WHERE c.account LIKE $1",
+                    )
+                    .bind(&self.users),
+                )
+                .await?;
             (charges, refunds)
-        });
+        };
         Ok(Tables {
             keys: keys
                 .into_iter()

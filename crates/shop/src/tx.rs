@@ -35,7 +35,7 @@ enum Open {
 }
 
 impl BusinessTx {
-    /// The transaction's connection, for statements (see [`on_conn!`](crate::on_conn)).
+    /// The transaction's connection, for statements (see [`Conn`]).
     pub fn conn(&mut self) -> Conn<'_> {
         match &mut self.0 {
             Open::KeyedPg(tx) => Conn::Pg(tx),

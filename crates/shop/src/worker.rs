@@ -7,7 +7,7 @@
 //! the last step).
 
 use crate::{
-    db::Backend,
+    db::StoreConn,
     events::PurchaseEvents,
     outbox::{PurchasePaid, PURCHASES_QUEUE},
     providers::Faults,
@@ -85,7 +85,7 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
 }
 
 /// One connection's worth of consuming; `Ok(true)` when stopped by a signal.
-async fn consume<S: Backend + Clone>(
+async fn consume<S: StoreConn + Clone>(
     engine: Idempotency<S>,
     operation: Arc<PurchaseEvents>,
     args: &WorkerArgs,
