@@ -1,14 +1,31 @@
-//! [`Disposition`]: a handler's own word on what happens to the key after its response.
+//! Which responses commit the handler's writes, and what happens to the key after each.
 //!
-//! The layer decides by status ([`store_response_if`](crate::IdempotencyLayer::with_store_response_if),
-//! [`on_unstored_response`](crate::IdempotencyLayer::with_after_unstored_response)). A handler that knows
-//! better for one response (a 402 refusal that is final and must be replayed, a 502 after which
-//! a mail may or may not have gone out) puts a [`Disposition`] into the response's extensions,
-//! and the layer follows it instead.
+//! The layer decides by status ([`default_disposition`], or your
+//! [`with_disposition_by_status`](crate::IdempotencyLayer::with_disposition_by_status)). A
+//! handler that knows better for one response (a 402 refusal that is final and must be
+//! replayed, a 502 after which a mail may or may not have gone out) puts a [`Disposition`]
+//! into the response's extensions (`axum::Extension(Disposition::Store)` as a response part,
+//! or [`Problem::with_disposition`](crate::Problem::with_disposition)), and the layer follows
+//! it instead.
+//!
+//! ```
+//! use axum::{response::IntoResponse, Extension, Json};
+//! use http::StatusCode;
+//! use idempotency_http::Disposition;
+//!
+//! // A refusal that is final: stored with the key and replayed (the handler's rows roll back).
+//! let refusal = (StatusCode::PAYMENT_REQUIRED, Extension(Disposition::Store), Json("balance too low"));
+//! let response = refusal.into_response();
+//! assert_eq!(response.extensions().get::<Disposition>(), Some(&Disposition::Store));
+//!
+//! // An outcome nobody knows: roll back, and park the key for an operator.
+//! let unknown = Extension(Disposition::Park("mail provider timed out".into()));
+//! let parked = (StatusCode::BAD_GATEWAY, unknown, "try later").into_response();
+//! assert!(matches!(parked.extensions().get::<Disposition>(), Some(Disposition::Park(_))));
+//! ```
 
-use axum::response::{IntoResponseParts, ResponseParts};
 use http::StatusCode;
-use std::convert::Infallible;
+use idempotency::Disposition;
 
 /// Whether a response lets the handler's writes **commit**: a success (2xx) or a redirection
 /// (3xx, redirect-after-POST). Any other response rolls them back, whether it is stored or not.
@@ -55,44 +72,20 @@ pub fn is_definitive(status: StatusCode) -> bool {
     }
 }
 
-/// What the layer does with the key (and the handler's transaction) after this response.
-///
-/// Insert it into the response extensions, or return it as a response part:
+/// The layer's default [`Disposition`] for a response by its status, when the handler gave
+/// none: [`Store`](Disposition::Store) a definitive response ([`is_definitive`]); otherwise
+/// `None`, the default by the route's effects (local work released, external work left pending
+/// for the recovery job). Compose your own policy with it
+/// ([`with_disposition_by_status`](crate::IdempotencyLayer::with_disposition_by_status)).
 ///
 /// ```
-/// use axum::{response::IntoResponse, Json};
 /// use http::StatusCode;
-/// use idempotency_http::Disposition;
-///
-/// // A refusal that is final: stored with the key and replayed (the handler's rows roll back).
-/// let response = (StatusCode::PAYMENT_REQUIRED, Disposition::Store, Json("balance too low")).into_response();
-/// assert_eq!(response.extensions().get::<Disposition>(), Some(&Disposition::Store));
-///
-/// // An outcome nobody knows: roll back, and park the key for an operator.
-/// let parked = (StatusCode::BAD_GATEWAY, Disposition::Park("mail provider timed out".into()), "try later").into_response();
-/// assert!(matches!(parked.extensions().get::<Disposition>(), Some(Disposition::Park(_))));
+/// use idempotency_http::{default_disposition, Disposition};
+/// assert_eq!(default_disposition(StatusCode::CREATED), Some(Disposition::Store));
+/// assert_eq!(default_disposition(StatusCode::UNPROCESSABLE_ENTITY), Some(Disposition::Store));
+/// assert_eq!(default_disposition(StatusCode::TOO_MANY_REQUESTS), None);
+/// assert_eq!(default_disposition(StatusCode::BAD_GATEWAY), None);
 /// ```
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum Disposition {
-    /// A definitive answer: complete the key with this response and replay it to every retry
-    /// (whatever its status). The handler's writes commit with it after a 2xx or 3xx
-    /// ([`commits_writes`]); after any other status they roll back, and the response is stored
-    /// in a short transaction of its own.
-    Store,
-    /// Nothing happened that a retry could duplicate: roll back and release the key, so a retry
-    /// runs again (whatever the status).
-    Release,
-    /// An outside effect may have happened: roll back and park the key as *needs review*, with
-    /// this reason; retries answer 409 until an operator (or `idem keys resolve`) decides.
-    Park(String),
-}
-
-impl IntoResponseParts for Disposition {
-    type Error = Infallible;
-
-    fn into_response_parts(self, mut res: ResponseParts) -> Result<ResponseParts, Self::Error> {
-        res.extensions_mut().insert(self);
-        Ok(res)
-    }
+pub fn default_disposition(status: StatusCode) -> Option<Disposition> {
+    is_definitive(status).then_some(Disposition::Store)
 }

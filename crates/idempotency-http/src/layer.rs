@@ -8,7 +8,7 @@ use crate::{
     },
 };
 use http::{request::Parts, HeaderName, Method, StatusCode};
-use idempotency::{AfterError, Effects, Idempotency, Store};
+use idempotency::{Disposition, Effects, Idempotency, Store};
 use std::{fmt, sync::Arc, time::Duration};
 
 /// A [`tower::Layer`] that makes non-idempotent requests carrying an `Idempotency-Key` run at most
@@ -109,8 +109,7 @@ impl<S: Store> IdempotencyLayer<S> {
                 fingerprint_headers: Vec::new(),
                 stored_headers: Vec::new(),
                 body_limit: DEFAULT_BODY_LIMIT,
-                store_response_if: Arc::new(crate::is_definitive),
-                after_unstored: None,
+                disposition_by_status: Arc::new(crate::default_disposition),
                 retention_header: false,
                 replay_header: crate::header::IDEMPOTENT_REPLAYED,
                 problem_base: Arc::from(crate::DEFAULT_PROBLEM_BASE),
@@ -277,52 +276,39 @@ impl<S: Store> IdempotencyLayer<S> {
         self
     }
 
-    /// Which responses are stored (and replayed to retries). Default:
-    /// [`is_definitive`](crate::is_definitive) (2xx, 3xx, and 4xx except 404, 408, 409, 425 and
-    /// 429). Whatever is stored, the handler's writes commit only after a 2xx or 3xx
-    /// ([`commits_writes`](crate::commits_writes)); a stored 4xx is stored in a short transaction
-    /// of its own. The others roll back, and the key goes as
-    /// [`on_unstored_response`](Self::with_after_unstored_response) says. A
-    /// [`Disposition`](crate::Disposition) in a response's extensions overrides this for that
-    /// response.
+    /// What happens to the key after a response whose handler gave no [`Disposition`], by its
+    /// status. Default: [`default_disposition`](crate::default_disposition), which stores the
+    /// definitive responses ([`is_definitive`](crate::is_definitive): 2xx, 3xx, and 4xx except
+    /// 404, 408, 409, 425 and 429) and answers `None` for the rest.
+    ///
+    /// - [`Disposition::Store`]: the response is stored and replayed. The handler's writes
+    ///   commit only after a 2xx or 3xx ([`commits_writes`](crate::commits_writes)); a stored
+    ///   4xx is stored without them, in a short transaction of its own.
+    /// - [`Disposition::Release`]: roll back and release the key; only when nothing went out.
+    /// - [`Disposition::Park`]: roll back and keep the key as *needs review* (retries get 409
+    ///   `needs-review` until an operator resolves it with `idem keys resolve`).
+    /// - `None`: roll back, and the default for the route's [`effects`](Self::with_effects):
+    ///   [`Effects::Local`] work is released, so a retry runs again; [`Effects::External`] work
+    ///   is **never released** (its outside effect may have happened): the key stays pending, and
+    ///   the recovery job settles it after its lease (asking the provider, or parking it). The
+    ///   same holds after a panic.
     ///
     /// ```no_run
     /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::SqliteStore>) {
-    /// // Only successes: every 4xx may be retried.
-    /// let layer = layer.with_store_response_if(|status| status.is_success());
-    /// # }
-    /// ```
-    pub fn with_store_response_if(
-        mut self,
-        predicate: impl Fn(StatusCode) -> bool + Send + Sync + 'static,
-    ) -> Self {
-        self.settings.store_response_if = Arc::new(predicate);
-        self
-    }
-
-    /// What happens to the key after a response that is not stored. The default depends on
-    /// [`effects`](Self::with_effects): [`Effects::Local`] work is released, so a retry runs again;
-    /// [`Effects::External`] work is **never released** by default (its outside effect may have
-    /// happened): the key stays pending, and the recovery job settles it after its lease (asking
-    /// the provider, or parking it). The same holds after a panic. With this setting the
-    /// decision is yours: [`AfterError::Release`] only when nothing went out,
-    /// [`AfterError::Park`] to keep the key as *needs review* at once (retries get 409
-    /// `needs-review` until an operator resolves it with `idem keys resolve`).
-    ///
-    /// ```no_run
-    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::SqliteStore>) {
-    /// use idempotency::AfterError;
-    /// let layer = layer.with_after_unstored_response(|status| match status.as_u16() {
-    ///     502 | 504 => AfterError::Park(format!("payment provider answered {status}")),
-    ///     _ => AfterError::Release,
+    /// use idempotency_http::{default_disposition, Disposition};
+    /// // Store only successes (every 4xx may be retried), and park after a gateway error.
+    /// let layer = layer.with_disposition_by_status(|status| match status.as_u16() {
+    ///     502 | 504 => Some(Disposition::Park(format!("payment provider answered {status}"))),
+    ///     _ if status.is_success() => default_disposition(status),
+    ///     _ => None,
     /// });
     /// # }
     /// ```
-    pub fn with_after_unstored_response(
+    pub fn with_disposition_by_status(
         mut self,
-        decide: impl Fn(StatusCode) -> AfterError + Send + Sync + 'static,
+        decide: impl Fn(StatusCode) -> Option<Disposition> + Send + Sync + 'static,
     ) -> Self {
-        self.settings.after_unstored = Some(Arc::new(decide));
+        self.settings.disposition_by_status = Arc::new(decide);
         self
     }
 

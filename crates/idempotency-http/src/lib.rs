@@ -49,8 +49,10 @@
 //!    | 5xx, panic: local work | rolled back | released |
 //!    | 5xx, panic: external work | rolled back | pending, for the recovery job |
 //!    A handler that knows better for one response says so with a [`Disposition`] in its
-//!    extensions: `Store` a final refusal (a 402), `Release`, or `Park` the key as *needs
-//!    review* when an outside effect may have happened.
+//!    extensions (`axum::Extension(Disposition::Store)`): `Store` a final refusal (a 402),
+//!    `Release`, or `Park` the key as *needs review* when an outside effect may have happened.
+//!    The layer's policy by status is [`default_disposition`]; replace it with
+//!    [`IdempotencyLayer::with_disposition_by_status`].
 //!
 //! A handler that drives a **durable operation** (outside calls between local steps, see
 //! [`idempotency::Steps`] and `docs/external-calls.md`) takes the reservation with the
@@ -173,7 +175,7 @@ mod settings;
 mod stored;
 mod tx;
 
-pub use disposition::{commits_writes, is_definitive, Disposition};
+pub use disposition::{commits_writes, default_disposition, is_definitive};
 pub use error::{BoxError, IdempotencyRejection, InternalError};
 pub use layer::IdempotencyLayer;
 pub use lease::{KeyLease, LeaseRejection};
@@ -183,4 +185,4 @@ pub use settings::{IdempotencyScope, KeyRequirement, MissingScope, DEFAULT_BODY_
 pub use stored::{StoredResponse, ALWAYS_STORED, NEVER_STORED};
 pub use tx::{IdempotentTx, TxRejection};
 
-pub use idempotency::{Effects, Idempotency};
+pub use idempotency::{Disposition, Effects, Idempotency};

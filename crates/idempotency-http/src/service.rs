@@ -22,9 +22,7 @@ use bytes::Bytes;
 use futures_util::{future::BoxFuture, FutureExt};
 use http::{header, request::Parts, HeaderMap, HeaderValue, Request, Response};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
-use idempotency::{
-    AfterError, Attempt, Effects, Fingerprint, IdempotencyKey, Lease, Reservation, Store,
-};
+use idempotency::{Attempt, Effects, Fingerprint, IdempotencyKey, Lease, Reservation, Store};
 use std::{
     future::Future,
     panic::AssertUnwindSafe,
@@ -467,19 +465,20 @@ where
         }
     };
     let (mut response_parts, response_body) = response.into_parts();
-    let after = after_response(&settings, &mut response_parts);
+    let disposition = disposition_of(&settings, &mut response_parts);
+    let store = disposition == Some(Disposition::Store);
     // Only a success or a redirection commits the handler's writes; a stored client error is
     // stored without them, in a transaction of its own.
     let tx = match tx {
-        Some(tx) if after.is_none() && commits_writes(response_parts.status) => Some(tx),
+        Some(tx) if store && commits_writes(response_parts.status) => Some(tx),
         Some(tx) => {
             let _ = tx.rollback().await;
             None
         }
         None => None,
     };
-    if let Some(after) = after {
-        lease.settle_unstored(after).await;
+    if !store {
+        lease.settle_unstored(disposition).await;
         return Ok(Response::from_parts(
             response_parts,
             Body::new(response_body),
@@ -532,27 +531,17 @@ where
     }
 }
 
-/// What the handler's response asks for: `None` to store it; `Some(after)` not to store it,
-/// `after` saying what becomes of the key (`None`: the default for the route's effects). The
-/// handler's own word (a [`Disposition`] in the response's extensions) first, then the layer's
-/// policy by status.
-fn after_response<S: Store>(
+/// What becomes of the key after the handler's response: the handler's own word (a
+/// [`Disposition`] in the response's extensions) first, then the layer's policy by status.
+/// `None`: the default for the route's effects.
+fn disposition_of<S: Store>(
     settings: &Settings<S>,
     response: &mut http::response::Parts,
-) -> Option<Option<AfterError>> {
-    let status = response.status;
-    match response.extensions.remove::<Disposition>() {
-        Some(Disposition::Store) => None,
-        Some(Disposition::Release) => Some(Some(AfterError::Release)),
-        Some(Disposition::Park(reason)) => Some(Some(AfterError::Park(reason))),
-        None if (settings.store_response_if)(status) => None,
-        None => Some(
-            settings
-                .after_unstored
-                .as_ref()
-                .map(|decide| decide(status)),
-        ),
-    }
+) -> Option<Disposition> {
+    response
+        .extensions
+        .remove::<Disposition>()
+        .or_else(|| (settings.disposition_by_status)(response.status))
 }
 
 /// Step 3: captures the response, completes the key with it in the handler's transaction (or a
@@ -708,10 +697,10 @@ impl<S: Store> HeldLease<'_, S> {
 
     /// After a response that is not stored: release, park, or (`None`, or a decision this layer
     /// does not know) the default for the route's effects.
-    async fn settle_unstored(&mut self, after: Option<AfterError>) {
-        match after {
-            Some(AfterError::Release) => self.release("the response is not stored").await,
-            Some(AfterError::Park(reason)) => self.park(&reason).await,
+    async fn settle_unstored(&mut self, disposition: Option<Disposition>) {
+        match disposition {
+            Some(Disposition::Release) => self.release("the response is not stored").await,
+            Some(Disposition::Park(reason)) => self.park(&reason).await,
             _ => self.give_up("the response is not stored").await,
         }
     }

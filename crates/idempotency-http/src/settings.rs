@@ -3,7 +3,7 @@
 
 use crate::in_flight::{Estimates, Waiters};
 use http::{request::Parts, HeaderName, Method, StatusCode};
-use idempotency::{AfterError, Effects, Idempotency};
+use idempotency::{Disposition, Effects, Idempotency};
 use std::{sync::Arc, time::Duration};
 
 /// Default largest request body read for fingerprinting: 1 MiB.
@@ -59,8 +59,7 @@ pub struct IdempotencyScope(pub String);
 
 type ScopeFn = dyn Fn(&Parts) -> Option<String> + Send + Sync;
 type OperationFn = dyn Fn(&Parts) -> String + Send + Sync;
-type StatusPredicate = dyn Fn(StatusCode) -> bool + Send + Sync;
-type AfterUnstored = dyn Fn(StatusCode) -> AfterError + Send + Sync;
+type DispositionByStatus = dyn Fn(StatusCode) -> Option<Disposition> + Send + Sync;
 
 #[derive(Clone)]
 pub(crate) enum OperationSource {
@@ -83,9 +82,9 @@ pub(crate) struct Settings<S> {
     pub(crate) fingerprint_headers: Vec<HeaderName>,
     pub(crate) stored_headers: Vec<HeaderName>,
     pub(crate) body_limit: usize,
-    pub(crate) store_response_if: Arc<StatusPredicate>,
-    /// `None`: the default, by effects (release local work, leave external work pending).
-    pub(crate) after_unstored: Option<Arc<AfterUnstored>>,
+    /// The key's disposition after a response whose handler gave none; `None` from it: the
+    /// default by effects (release local work, leave external work pending).
+    pub(crate) disposition_by_status: Arc<DispositionByStatus>,
     pub(crate) retention_header: bool,
     /// The header marking a replayed response (default `Idempotent-Replayed`).
     pub(crate) replay_header: HeaderName,
@@ -113,8 +112,7 @@ impl<S: Clone> Clone for Settings<S> {
             fingerprint_headers: self.fingerprint_headers.clone(),
             stored_headers: self.stored_headers.clone(),
             body_limit: self.body_limit,
-            store_response_if: self.store_response_if.clone(),
-            after_unstored: self.after_unstored.clone(),
+            disposition_by_status: self.disposition_by_status.clone(),
             retention_header: self.retention_header,
             replay_header: self.replay_header.clone(),
             problem_base: self.problem_base.clone(),

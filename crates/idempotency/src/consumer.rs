@@ -1,11 +1,12 @@
 //! Queue consumers: exactly-once **effects** on at-least-once **delivery**, for any broker.
 
 use crate::{
+    disposition::Disposition,
     error::{Error, StoreError},
     error::{PerformError, StepError},
     key::{InvalidKey, MAX_PART_LEN},
     operation::Operation,
-    protocol::{AfterError, Attempt, Idempotency},
+    protocol::{Attempt, Idempotency},
     store::{Awaited, Effects, Insertion, KeyState, LeaseToken, PendingRow, Store},
     Fingerprint, IdempotencyKey,
 };
@@ -467,10 +468,11 @@ impl<S: Store> Consumer<S> {
         // A failed work's key is always released (nothing was committed); the failure is counted
         // afterwards, by `failed`. A panic is caught here so that it counts as a failure instead
         // of taking the consumer down; `run_boxed` has released the key before re-raising it.
-        let ran = AssertUnwindSafe(
-            self.engine
-                .run_boxed(&attempt, |_| AfterError::Release, work),
-        )
+        let ran = AssertUnwindSafe(self.engine.run_boxed(
+            &attempt,
+            |_| Some(Disposition::Release),
+            work,
+        ))
         .catch_unwind()
         .await;
         match ran {

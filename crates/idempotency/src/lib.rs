@@ -3,6 +3,7 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod consumer;
+mod disposition;
 mod error;
 mod fingerprint;
 mod key;
@@ -20,13 +21,14 @@ mod worker;
 pub use consumer::{
     Consumer, DeadLetter, Decision, FailureKind, InvalidMessage, Message, MAX_MESSAGE_TYPE_LEN,
 };
+pub use disposition::Disposition;
 pub use error::{BoxError, Error, PerformError, StepError, StoreError};
 pub use fingerprint::{canonical_json, Fingerprint, FingerprintBuilder};
 pub use key::{IdempotencyKey, InvalidKey, KeyPart, MAX_PART_LEN};
 pub use lease::Lease;
 pub use operation::{Operation, Operations};
 pub use outcome::Outcome;
-pub use protocol::{AfterError, Attempt, Idempotency, Reservation};
+pub use protocol::{Attempt, Idempotency, Reservation};
 pub use recovery::{
     resolve, NoResolver, ProviderAnswer, Recovery, RecoveryReport, ResolveError, Resolver,
 };

@@ -3,6 +3,7 @@
 //! **release** the key only if it is still pending with our lease.
 
 use crate::{
+    disposition::Disposition,
     error::{Error, StoreError},
     lease::Lease,
     recent_replays::RecentReplays,
@@ -103,24 +104,10 @@ impl Attempt {
     }
 }
 
-/// What to do with the key when the work returns an error.
-///
-/// ```
-/// use idempotency::AfterError;
-/// let decide = |e: &std::io::Error| match e.kind() {
-///     std::io::ErrorKind::TimedOut => AfterError::Park(format!("mail provider: {e}")),
-///     _ => AfterError::Release,
-/// };
-/// assert_eq!(decide(&std::io::ErrorKind::TimedOut.into()), AfterError::Park("mail provider: timed out".into()));
-/// ```
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum AfterError {
-    /// Nothing happened that we cannot undo: release the key so a retry runs again.
-    Release,
-    /// An outside effect may have happened: keep the key as `needs_review` with this reason.
-    Park(String),
-}
+/// The reason a key is parked with when `run_with`'s decision for an error is
+/// [`Disposition::Store`]: the core has no encoding for the error.
+const STORE_FOR_AN_ERROR: &str = "the work failed and its error was marked Disposition::Store, \
+which the core cannot store (return a definitive failure as Ok to store it)";
 
 /// How a run starts: with a stored result, or with the key held and the business transaction.
 enum Started<S: Store, R> {
@@ -492,9 +479,10 @@ impl<S: Store> Idempotency<S> {
     }
 
     /// Runs `work` at most once per key: reserve, run in the business transaction, complete in
-    /// the same transaction, commit. On error the key is released; on panic or cancellation it is
-    /// released for [`Effects::Local`] work and left pending for the recovery job for
-    /// [`Effects::External`] work (see [`Lease`]).
+    /// the same transaction, commit. On error, panic or cancellation the writes roll back, and
+    /// the key is released for [`Effects::Local`] work and left pending for the recovery job for
+    /// [`Effects::External`] work, whose outside effect may have happened (see [`Lease`]).
+    /// [`run_with`](Self::run_with) decides per error instead.
     ///
     /// To store a *definitive* business refusal (so a replay refuses the same way), make it part
     /// of the result: return `Ok(Err(refusal))` with `R = Result<T, Refusal>`.
@@ -580,11 +568,13 @@ impl<S: Store> Idempotency<S> {
         E: Send,
         F: for<'c> AsyncFnOnce(&mut sqlx::Transaction<'c, S::Database>) -> Result<R, E> + Send,
     {
-        self.run_with(attempt, |_| AfterError::Release, work).await
+        self.settled_by(attempt, |_| None, work).await
     }
 
-    /// Like [`run`](Self::run), but `on_error` decides whether a failed work releases the key or
-    /// parks it as `needs_review` (an outside effect may have happened). The work is the same
+    /// Like [`run`](Self::run), but `on_error` gives the [`Disposition`] of a failed work's key:
+    /// [`Release`](Disposition::Release) it (nothing went out), or [`Park`](Disposition::Park)
+    /// it as `needs_review` (an outside effect may have happened). The core stores only `Ok`
+    /// values, so [`Store`](Disposition::Store) for an error parks the key too. The work is the same
     /// async closure as [`run`](Self::run)'s (see there for `Send` and for migrating from the
     /// boxed form).
     ///
@@ -592,7 +582,7 @@ impl<S: Store> Idempotency<S> {
     /// # #[cfg(feature = "sqlite")]
     /// # #[tokio::main(flavor = "current_thread")]
     /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    /// use idempotency::{SqliteStore, Store, AfterError, Attempt, Effects, Error, Fingerprint, Idempotency, IdempotencyKey};
+    /// use idempotency::{SqliteStore, Store, Attempt, Disposition, Effects, Error, Fingerprint, Idempotency, IdempotencyKey};
     ///
     /// struct Mail { to: String }
     ///
@@ -611,7 +601,7 @@ impl<S: Store> Idempotency<S> {
     /// let sent = idem
     ///     .run_with(
     ///         &attempt,
-    ///         |e: &String| AfterError::Park(format!("mail provider: {e}")),
+    ///         |e: &String| Disposition::Park(format!("mail provider: {e}")),
     ///         async |_tx| Err::<(), _>(format!("timed out sending to {}", mail.to)),
     ///     )
     ///     .await;
@@ -632,7 +622,24 @@ impl<S: Store> Idempotency<S> {
         R: Serialize + DeserializeOwned + Send,
         E: Send,
         F: for<'c> AsyncFnOnce(&mut sqlx::Transaction<'c, S::Database>) -> Result<R, E> + Send,
-        C: FnOnce(&E) -> AfterError + Send,
+        C: FnOnce(&E) -> Disposition + Send,
+    {
+        self.settled_by(attempt, |e| Some(on_error(e)), work).await
+    }
+
+    /// [`run`](Self::run) and [`run_with`](Self::run_with): `on_error` answers `None` for the
+    /// default by the attempt's effects.
+    async fn settled_by<R, E, F, C>(
+        &self,
+        attempt: &Attempt,
+        on_error: C,
+        work: F,
+    ) -> Result<Outcome<R>, Error<E>>
+    where
+        R: Serialize + DeserializeOwned + Send,
+        E: Send,
+        F: for<'c> AsyncFnOnce(&mut sqlx::Transaction<'c, S::Database>) -> Result<R, E> + Send,
+        C: FnOnce(&E) -> Option<Disposition> + Send,
     {
         let (lease, mut tx) = match self.start(attempt).await? {
             Started::Replayed(stored) => return Ok(Outcome::Replayed(stored)),
@@ -657,7 +664,7 @@ impl<S: Store> Idempotency<S> {
                 &'t mut sqlx::Transaction<'static, S::Database>,
             ) -> BoxFuture<'t, Result<R, E>>
             + Send,
-        C: FnOnce(&E) -> AfterError + Send,
+        C: FnOnce(&E) -> Option<Disposition> + Send,
     {
         let (lease, mut tx) = match self.start(attempt).await? {
             Started::Replayed(stored) => return Ok(Outcome::Replayed(stored)),
@@ -704,18 +711,30 @@ impl<S: Store> Idempotency<S> {
     ) -> Result<Outcome<R>, Error<E>>
     where
         R: Serialize,
-        C: FnOnce(&E) -> AfterError,
+        C: FnOnce(&E) -> Option<Disposition>,
     {
         let value = match ran {
             Ok(Ok(value)) => value,
             Ok(Err(e)) => {
                 let _ = tx.rollback().await;
-                match on_error(&e) {
-                    AfterError::Release => lease.release_quietly().await,
-                    AfterError::Park(reason) => {
-                        if let Err(error) = lease.park(&reason).await {
-                            tracing::error!(%error, key = %attempt.key, "could not park idempotency key");
-                        }
+                let reason = match on_error(&e) {
+                    Some(Disposition::Park(reason)) => Some(reason),
+                    Some(Disposition::Store) => Some(STORE_FOR_AN_ERROR.to_owned()),
+                    Some(Disposition::Release) => {
+                        lease.release_quietly().await;
+                        None
+                    }
+                    // The default by effects: local work is released (nothing went out);
+                    // external work stays pending, since its outside effect may have happened,
+                    // and the recovery job settles it after its lease.
+                    None => {
+                        lease.abandon().await;
+                        None
+                    }
+                };
+                if let Some(reason) = reason {
+                    if let Err(error) = lease.park(&reason).await {
+                        tracing::error!(%error, key = %attempt.key, "could not park idempotency key");
                     }
                 }
                 return Err(Error::Operation(e));

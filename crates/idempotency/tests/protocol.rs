@@ -4,7 +4,7 @@ mod common;
 
 use common::{attempt, purchase, race, unique, wait_until, Harness};
 use idempotency::{
-    AfterError, Attempt, Effects, Error, Fingerprint, Idempotency, IdempotencyKey, KeyState,
+    Attempt, Disposition, Effects, Error, Fingerprint, Idempotency, IdempotencyKey, KeyState,
     Outcome, Reservation,
 };
 use serde_json::json;
@@ -380,7 +380,7 @@ async fn an_unknown_external_outcome_parks_the_key<S: Harness>(store: S) {
     let err = idem
         .run_with(
             &a,
-            |e: &&str| AfterError::Park(format!("mail provider: {e}")),
+            |e: &&str| Disposition::Park(format!("mail provider: {e}")),
             async |_tx| Err::<(), _>("timed out after sending"),
         )
         .await
@@ -395,6 +395,71 @@ async fn an_unknown_external_outcome_parks_the_key<S: Harness>(store: S) {
     let again = purchase(&idem, &a, &trial, 2).await.unwrap_err();
     assert!(matches!(again, Error::NeedsReview), "{again:?}");
     assert_eq!(store.count_effects(&trial).await, 0);
+}
+
+/// `run`'s default after an error: external work may have had its outside effect, so its key is
+/// never released; it stays pending (retries get `InProgress`) for the recovery job.
+async fn a_failed_external_run_keeps_its_key_pending<S: Harness>(store: S) {
+    let idem = Idempotency::new(store.clone());
+    let trial = unique("external-error");
+    let a =
+        attempt("user-1", &trial, json!({"to": "a@example.com"})).with_effects(Effects::External);
+    let err = idem
+        .run(&a, async |_tx| Err::<(), _>("provider timed out"))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Operation(_)), "{err:?}");
+    let row = store.find(a.key()).await.unwrap().unwrap();
+    assert_eq!(row.state, KeyState::Pending);
+    let again = purchase(&idem, &a, &trial, 2).await.unwrap_err();
+    assert!(matches!(again, Error::InProgress { .. }), "{again:?}");
+    assert_eq!(store.count_effects(&trial).await, 0);
+}
+
+/// `run_with` answering `Store` for an error: the core cannot store the error, so the key is
+/// parked (never released, never completed without a result).
+async fn store_for_an_error_parks_the_key<S: Harness>(store: S) {
+    let idem = Idempotency::new(store.clone());
+    let trial = unique("store-error");
+    let a = attempt("user-1", &trial, json!({"q": 1}));
+    let err = idem
+        .run_with(
+            &a,
+            |_: &&str| Disposition::Store,
+            async |_tx| Err::<(), _>("refused"),
+        )
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Operation(_)), "{err:?}");
+    let row = store.find(a.key()).await.unwrap().unwrap();
+    assert_eq!(row.state, KeyState::NeedsReview);
+    assert!(
+        row.reason
+            .as_deref()
+            .unwrap_or("")
+            .contains("Disposition::Store"),
+        "{:?}",
+        row.reason
+    );
+}
+
+/// `run_with` answering `Release`, even for external work: the caller's word that nothing went
+/// out; a retry runs again.
+async fn release_for_an_error_lets_a_retry_run<S: Harness>(store: S) {
+    let idem = Idempotency::new(store.clone());
+    let trial = unique("release-error");
+    let a = attempt("user-1", &trial, json!({"q": 1})).with_effects(Effects::External);
+    idem.run_with(
+        &a,
+        |_: &&str| Disposition::Release,
+        async |_tx| Err::<(), _>("refused before the call"),
+    )
+    .await
+    .unwrap_err();
+    assert!(store.find(a.key()).await.unwrap().is_none());
+    let retried = purchase(&idem, &a, &trial, 2).await.unwrap();
+    assert!(!retried.is_replayed());
+    assert_eq!(store.count_effects(&trial).await, 1);
 }
 
 async fn migrate_is_idempotent_and_concurrent<S: Harness>(store: S) {
@@ -628,6 +693,9 @@ test_support::backend_tests! {
     an_expired_key_runs_anew,
     a_definitive_refusal_is_stored_and_replayed,
     an_unknown_external_outcome_parks_the_key,
+    a_failed_external_run_keeps_its_key_pending,
+    store_for_an_error_parks_the_key,
+    release_for_an_error_lets_a_retry_run,
     migrate_is_idempotent_and_concurrent,
     concurrent_duplicates_execute_exactly_once,
     the_replay_read_answers_only_completed_matching_rows,

@@ -16,7 +16,7 @@
 use crate::{auth::UserId, problem::BODY_LIMIT};
 use axum::http::Method;
 use idempotency::{Effects, Idempotency, Store};
-use idempotency_http::IdempotencyLayer;
+use idempotency_http::{Disposition, IdempotencyLayer};
 
 /// A keyed route: the operation name that scopes its keys, and what its work touches.
 #[derive(Debug, Clone, Copy)]
@@ -47,7 +47,7 @@ pub fn layer<S: Store>(engine: Idempotency<S>, route: KeyedRoute) -> Idempotency
         .with_journaled(route.journaled)
         .with_scope_from(|parts| parts.extensions.get::<UserId>().map(|user| user.0.clone()))
         .with_body_limit(BODY_LIMIT)
-        .with_store_response_if(|status| status.is_success())
+        .with_disposition_by_status(|status| status.is_success().then_some(Disposition::Store))
         // Once reserved, the work runs in a task of its own: a client that gives up (timeout,
         // closed connection) does not cancel it half-way, so it finishes, the key completes,
         // and the client's retry gets the stored response instead of a 409.

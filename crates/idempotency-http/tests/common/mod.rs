@@ -7,11 +7,13 @@ use axum::{
     http::{HeaderMap, StatusCode},
     response::{IntoResponse, Response},
     routing::{get, post},
-    Json, Router,
+    Extension, Json, Router,
 };
 use futures_util::future::BoxFuture;
 use idempotency::{Idempotency, MySqlStore, PgStore, SqliteStore, Store};
-use idempotency_http::{Disposition, IdempotencyLayer, IdempotentTx, KeyRequirement};
+use idempotency_http::{
+    default_disposition, Disposition, IdempotencyLayer, IdempotentTx, KeyRequirement,
+};
 use sqlx::{MySql, MySqlPool, PgPool, Postgres, Sqlite, SqlitePool};
 use std::time::Duration;
 
@@ -139,7 +141,12 @@ async fn create_order<DB: Backend>(
     let disposition = match header(&headers, "x-disposition") {
         Some("store-402") => {
             let body = Json(serde_json::json!({"refused": sku, "nonce": uuid::Uuid::new_v4()}));
-            return (StatusCode::PAYMENT_REQUIRED, Disposition::Store, body).into_response();
+            return (
+                StatusCode::PAYMENT_REQUIRED,
+                Extension(Disposition::Store),
+                body,
+            )
+                .into_response();
         }
         Some("release") => Some(Disposition::Release),
         Some("park") => Some(Disposition::Park("the handler cannot tell".into())),
@@ -225,9 +232,9 @@ where
         .route_layer(
             layer(store.clone())
                 .with_effects(idempotency::Effects::External)
-                .with_after_unstored_response(|status| match status.as_u16() {
-                    502 => idempotency::AfterError::Park(format!("provider answered {status}")),
-                    _ => idempotency::AfterError::Release,
+                .with_disposition_by_status(|status| match status.as_u16() {
+                    502 => Some(Disposition::Park(format!("provider answered {status}"))),
+                    _ => default_disposition(status).or(Some(Disposition::Release)),
                 }),
         );
     // External effects with the layer's defaults (no policy of its own).
@@ -236,7 +243,9 @@ where
         .route_layer(layer(store.clone()).with_effects(idempotency::Effects::External));
     let strict = Router::new()
         .route("/strict", post(create_order::<S::Database>))
-        .route_layer(layer(store.clone()).with_store_response_if(|status| status.is_success()));
+        .route_layer(layer(store.clone()).with_disposition_by_status(|status| {
+            status.is_success().then_some(Disposition::Store)
+        }));
     let detached = Router::new()
         .route("/detached", post(create_order::<S::Database>))
         .route_layer(layer(store.clone()).with_detach(true));
