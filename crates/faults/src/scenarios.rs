@@ -389,6 +389,8 @@ pub async fn slow_worker(env: &Env, trials: usize) -> Result<()> {
         &[
             "--lease-ms",
             "800",
+            // A stalled worker: its lease is not kept alive (a frozen process stops beating).
+            "--no-heartbeat",
             "--payment-latency-ms",
             "1500",
             // The retry takes the key over here, not the maintenance worker (whose pass could

@@ -162,7 +162,9 @@ async fn run<S: Store>(store: &S, attempt: &Attempt) {
 }
 
 async fn abandon<S: Store>(store: &S, attempt: &Attempt) {
-    let idem = Idempotency::new(store.clone()).with_lease(Duration::from_millis(30));
+    let idem = Idempotency::new(store.clone())
+        .with_lease(Duration::from_millis(30))
+        .with_heartbeat(false);
     let Reservation::Acquired(lease) = idem.reserve(attempt).await.expect("reserve") else {
         panic!("fresh key")
     };

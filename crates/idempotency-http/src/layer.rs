@@ -447,6 +447,22 @@ impl<S: Store> IdempotencyLayer<S> {
         self
     }
 
+    /// Whether a held key's lease is extended while the handler runs (default `true`; see
+    /// [`Idempotency::with_heartbeat`]). With it, a handler may run longer than the lease and
+    /// keeps its key (duplicates get 409 meanwhile); the lease only bounds how long a crashed
+    /// process blocks a key.
+    ///
+    /// ```no_run
+    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::SqliteStore>) {
+    /// // The lease must then outlast the slowest handler.
+    /// let layer = layer.with_heartbeat(false).with_lease(std::time::Duration::from_secs(120));
+    /// # }
+    /// ```
+    pub fn with_heartbeat(mut self, heartbeat: bool) -> Self {
+        self.settings.idempotency = self.settings.idempotency.with_heartbeat(heartbeat);
+        self
+    }
+
     /// Replaces the retention.
     ///
     /// ```no_run

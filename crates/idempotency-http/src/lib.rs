@@ -82,8 +82,10 @@
 //!
 //! # Key lifetime
 //!
-//! A pending key is held for the **lease** (default 60 s, [`IdempotencyLayer::with_lease`]):
-//! retries meanwhile get 409 + `Retry-After`. A worker that died without releasing its key (a
+//! A pending key is held for the **lease** (default 10 s, [`IdempotencyLayer::with_lease`]),
+//! extended every third of it while the handler runs
+//! ([`IdempotencyLayer::with_heartbeat`]): retries meanwhile get 409 + `Retry-After`, however long
+//! the handler works. A worker that died without releasing its key (a
 //! crash, not a cancellation) leaves it pending until the lease ends; with [`Effects::Local`] the
 //! next retry then takes it over, with [`Effects::External`] only the recovery job (`idem
 //! recover`) or an operator may. A completed key and its stored response are kept for the

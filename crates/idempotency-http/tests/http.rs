@@ -32,6 +32,7 @@ test_support::backend_tests! {
     handler_without_transaction_is_stored,
     other_methods_pass_through,
     lost_lease_rolls_back_the_handlers_rows,
+    a_handler_working_past_its_lease_keeps_its_key,
     parked_key_is_409_needs_review,
     handler_disposition_overrides_the_status_policy,
     detached_work_outlives_the_client,
@@ -274,7 +275,7 @@ async fn client_disconnect_releases_the_key(app: TestApp) {
     assert_eq!(app.db.keys_in_state("pending").await, 1);
     // … the client gives up and closes the connection …
     assert!(client.await.unwrap().is_err(), "the client timed out");
-    // … and the key is released long before its 60 s lease ends.
+    // … and the key is released long before its 10 s lease ends.
     assert_eq!(app.db.wait_for_keys(0, Duration::from_secs(10)).await, 0);
     assert_eq!(
         app.db.orders("impatient").await,
@@ -431,6 +432,36 @@ async fn lost_lease_rolls_back_the_handlers_rows(app: TestApp) {
     let replay = Answer::of(app.post("/short-lease", "alice", Some(&key), &body)).await;
     assert!(replay.replayed());
     assert_eq!(replay.body, fast.body);
+}
+
+/// The heartbeat: a handler that works five times its 300 ms lease keeps its key. Duplicates
+/// sent meanwhile (each well past the lease) are refused with 409 `in-progress` instead of
+/// taking the key over, and the slow handler's answer is the one stored.
+async fn a_handler_working_past_its_lease_keeps_its_key(app: TestApp) {
+    let key = new_key();
+    let body = json!({"sku": "long-work"});
+    let slow = Answer::of(
+        app.post("/beating", "alice", Some(&key), &body)
+            .header("x-delay-before-tx-ms", "1500"),
+    );
+    let duplicates = async {
+        assert_eq!(app.db.wait_for_keys(1, Duration::from_secs(5)).await, 1);
+        let mut answers = Vec::new();
+        for _ in 0..3 {
+            tokio::time::sleep(common::SHORT_LEASE + Duration::from_millis(50)).await;
+            answers.push(Answer::of(app.post("/beating", "alice", Some(&key), &body)).await);
+        }
+        answers
+    };
+    let (slow, duplicates) = tokio::join!(slow, duplicates);
+    assert_eq!(slow.status, 201, "{slow:?}");
+    for duplicate in duplicates {
+        duplicate.assert_problem(409, types::IN_PROGRESS);
+    }
+    assert_eq!(app.db.orders("long-work").await, 1);
+    let replay = Answer::of(app.post("/beating", "alice", Some(&key), &body)).await;
+    assert!(replay.replayed());
+    assert_eq!(replay.body, slow.body);
 }
 
 async fn parked_key_is_409_needs_review(app: TestApp) {

@@ -2,6 +2,7 @@
 
 use crate::{
     error::{Error, StoreError},
+    heartbeat::Heartbeat,
     store::{Effects, KeyRecord, LeaseToken, Store},
     IdempotencyKey,
 };
@@ -26,6 +27,8 @@ pub struct Lease<S: Store> {
     /// The row as it was when this lease took it over from an earlier holder (a durable
     /// operation resumed by a retry or the resumer), with its journal.
     pub(crate) resumed: Option<Box<KeyRecord>>,
+    /// Extends the lease while it is held (`None`: off, or no runtime to beat on).
+    pub(crate) heartbeat: Option<Heartbeat>,
 }
 
 impl<S: Store> Lease<S> {
@@ -49,9 +52,31 @@ impl<S: Store> Lease<S> {
         &self.store
     }
 
-    /// The key was settled, parked or noted by other means: dropping the lease does nothing.
+    /// Whether the heartbeat found this lease gone while the work ran (taken over after a
+    /// stall, or settled by an operator): the work's completion will fail with
+    /// [`Error::LeaseLost`].
+    ///
+    /// ```no_run
+    /// # async fn demo(lease: idempotency::Lease<idempotency::SqliteStore>) {
+    /// if lease.is_lost() {
+    ///     // Stop early: nothing this holder writes can commit.
+    /// }
+    /// # }
+    /// ```
+    pub fn is_lost(&self) -> bool {
+        self.heartbeat.as_ref().is_some_and(Heartbeat::is_lost)
+    }
+
+    /// Stops extending the lease; the holder is about to settle the key (or give it up).
+    pub(crate) fn stop_heartbeat(&mut self) {
+        self.heartbeat = None;
+    }
+
+    /// The key was settled, parked or noted by other means: dropping the lease does nothing,
+    /// and the lease is no longer extended.
     pub(crate) fn disarm(&mut self) {
         self.armed = false;
+        self.heartbeat = None;
     }
 
     /// Releases the key now if it is still pending with our token, logging a failure.
@@ -68,6 +93,13 @@ impl<S: Store> Lease<S> {
         mut tx: sqlx::Transaction<'static, S::Database>,
         result: &[u8],
     ) -> Result<(), Error> {
+        if self.is_lost() {
+            self.disarm();
+            let _ = tx.rollback().await;
+            return Err(Error::LeaseLost);
+        }
+        // The remaining lease (at least two thirds of it) covers the completion.
+        self.stop_heartbeat();
         let completed = self
             .store
             .complete(&mut tx, &self.key, self.token, result, self.retention)
@@ -75,7 +107,7 @@ impl<S: Store> Lease<S> {
         match completed {
             Ok(true) => {}
             Ok(false) => {
-                self.armed = false;
+                self.disarm();
                 let _ = tx.rollback().await;
                 return Err(Error::LeaseLost);
             }
@@ -87,7 +119,7 @@ impl<S: Store> Lease<S> {
         }
         match tx.commit().await {
             Ok(()) => {
-                self.armed = false;
+                self.disarm();
                 Ok(())
             }
             Err(e) => {
@@ -103,7 +135,7 @@ impl<S: Store> Lease<S> {
     /// that operation took effect, and deleting the key would lose its journal. Its key stays
     /// pending with our token until the lease ends; then the resumer carries it on.
     pub async fn release(mut self) -> Result<bool, StoreError> {
-        self.armed = false;
+        self.disarm();
         if self.keeps_progress() {
             return Ok(false);
         }
@@ -131,20 +163,20 @@ impl<S: Store> Lease<S> {
     /// # }
     /// ```
     pub fn leave_pending(mut self) {
-        self.armed = false;
+        self.disarm();
         tracing::warn!(key = %self.key, "outcome unknown; the key stays pending for the recovery job");
     }
 
     /// Parks the key as `needs_review` if it is still pending with our token.
     pub async fn park(mut self, reason: &str) -> Result<bool, StoreError> {
-        self.armed = false;
+        self.disarm();
         self.store.park(&self.key, self.token, reason).await
     }
 
     /// The work was abandoned (panic): release a local key, leave an external one pending.
     pub(crate) async fn abandon(&mut self) {
         if self.effects == Effects::External {
-            self.armed = false;
+            self.disarm();
             tracing::warn!(key = %self.key, "external work abandoned; the key stays pending for the recovery job");
             return;
         }
@@ -152,7 +184,7 @@ impl<S: Store> Lease<S> {
     }
 
     pub(crate) async fn release_quietly(&mut self) {
-        self.armed = false;
+        self.disarm();
         if self.keeps_progress() {
             return;
         }
@@ -165,7 +197,7 @@ impl<S: Store> Lease<S> {
 impl<S: Store> Lease<S> {
     /// From a drop: releases the key in a task of its own (a drop cannot wait).
     pub(crate) fn release_in_background(&mut self) {
-        self.armed = false;
+        self.disarm();
         if self.keeps_progress() {
             return;
         }

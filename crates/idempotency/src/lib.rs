@@ -6,6 +6,7 @@ mod consumer;
 mod disposition;
 mod error;
 mod fingerprint;
+mod heartbeat;
 mod key;
 mod lease;
 mod operation;

@@ -5,6 +5,7 @@
 use crate::{
     disposition::Disposition,
     error::{Error, StoreError},
+    heartbeat::Heartbeat,
     lease::Lease,
     recent_replays::RecentReplays,
     steps::StepPolicy,
@@ -180,20 +181,29 @@ pub struct Idempotency<S> {
     replay_first: Option<bool>,
     recent_replays: Arc<RecentReplays>,
     step_policy: StepPolicy,
+    heartbeat: bool,
 }
 
 impl<S: Store> Idempotency<S> {
-    /// An engine with a 60 s lease, 24 h retention, and an adaptive replay read (see
-    /// [`with_replay_first`](Self::with_replay_first)).
+    /// An engine with a 10 s lease kept alive by a heartbeat while work runs
+    /// ([`with_heartbeat`](Self::with_heartbeat)), 24 h retention, and an adaptive replay read
+    /// (see [`with_replay_first`](Self::with_replay_first)).
+    ///
+    /// Why 10 s: with the heartbeat a live holder keeps its key however long it works, so the
+    /// lease no longer has to outlast the slowest work. It only bounds how long a *crashed*
+    /// holder blocks its key (a retry takes local work over, the recovery job looks at external
+    /// work, one lease after the last beat), and it must stay well above a beat's round trip
+    /// and a pause of the process (a beat every 3.3 s).
     pub fn new(store: S) -> Self {
         Self {
             store,
-            lease: Duration::from_secs(60),
+            lease: Duration::from_secs(10),
             retention: Duration::from_secs(24 * 60 * 60),
             max_retry_after: Duration::from_secs(1),
             replay_first: None,
             recent_replays: Arc::default(),
             step_policy: StepPolicy::default(),
+            heartbeat: true,
         }
     }
 
@@ -233,10 +243,44 @@ impl<S: Store> Idempotency<S> {
         self
     }
 
-    /// How long a holder may work before its key may be taken over (local) or recovered.
+    /// How long a holder may go without a sign of life before its key may be taken over
+    /// (local) or recovered (default 10 s). While a lease is held its heartbeat extends it
+    /// every third of its length ([`with_heartbeat`](Self::with_heartbeat)), so work may run
+    /// longer than the lease; the lease bounds how long a *dead* holder blocks its key: one
+    /// lease after its last beat.
     pub fn with_lease(mut self, lease: Duration) -> Self {
         self.lease = lease;
         self
+    }
+
+    /// Whether a held lease is extended while its work runs (default `true`): every third of
+    /// the lease, an `UPDATE … WHERE lease_token = ours` by the database's clock
+    /// ([`Store::extend_lease`]), in a task of its own. A beat that finds the token gone stops
+    /// and flags the lease ([`Lease::is_lost`]); the completion then fails with
+    /// [`Error::LeaseLost`] without writing. Off, a holder that works longer than its lease has
+    /// its key taken over (fenced: its completion fails), so the lease must outlast the
+    /// longest work.
+    ///
+    /// ```
+    /// # #[cfg(feature = "sqlite")]
+    /// # async fn demo() -> Result<(), idempotency::StoreError> {
+    /// # use idempotency::{SqliteStore, Idempotency};
+    /// # use std::time::Duration;
+    /// let store = SqliteStore::connect("sqlite::memory:").await?;
+    /// // A 10 s lease, kept alive every 3.3 s while the work runs.
+    /// let idem = Idempotency::new(store).with_lease(Duration::from_secs(10));
+    /// # Ok(()) }
+    /// ```
+    pub fn with_heartbeat(mut self, heartbeat: bool) -> Self {
+        self.heartbeat = heartbeat;
+        self
+    }
+
+    /// The beating half of a lease on `key` held with `token` (`None` when off).
+    fn heartbeat_for(&self, key: &IdempotencyKey, token: LeaseToken) -> Option<Heartbeat> {
+        self.heartbeat
+            .then(|| Heartbeat::start(&self.store, key, token, self.lease))
+            .flatten()
     }
 
     /// How long keys and results are kept after completion.
@@ -460,6 +504,7 @@ impl<S: Store> Idempotency<S> {
             retention: self.retention,
             armed: true,
             resumed: None,
+            heartbeat: self.heartbeat_for(row.key, row.token),
         }
     }
 
@@ -475,6 +520,7 @@ impl<S: Store> Idempotency<S> {
             // Only a key with recorded progress is resumed; one with nothing recorded made no
             // outside call and may be released.
             resumed: record.request.is_some().then(|| Box::new(record.clone())),
+            heartbeat: self.heartbeat_for(&record.key, token),
         }
     }
 

@@ -618,6 +618,8 @@ impl<S: Store> Steps<S> {
             let _ = tx.rollback().await;
             return Err(e);
         }
+        // The remaining lease covers the completion; a beat racing it would only find it settled.
+        self.lease.stop_heartbeat();
         let completed = self
             .store()
             .complete(
@@ -646,6 +648,8 @@ impl<S: Store> Steps<S> {
     /// Notes an unknown outcome: the key stays pending for `retry_after`, or is parked once the
     /// outcome was unknown [`StepPolicy::max_unknown`] times.
     async fn unknown(&mut self, reason: &str) -> StepError {
+        // The key is about to wait for `retry_after` (or be parked): no beat may extend it.
+        self.lease.stop_heartbeat();
         let attempts = self.unknown_so_far.saturating_add(1);
         if attempts >= self.policy.max_unknown.max(1) {
             let reason = format!("the outcome was unknown {attempts} times; last: {reason}");
@@ -672,6 +676,7 @@ impl<S: Store> Steps<S> {
     }
 
     async fn park(&mut self, reason: &str) -> StepError {
+        self.lease.stop_heartbeat();
         match self
             .store()
             .park(self.lease.key(), self.lease.token(), reason)

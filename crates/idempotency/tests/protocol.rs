@@ -193,7 +193,10 @@ async fn a_completed_key_is_never_released<S: Harness>(store: S) {
 
 async fn an_expired_lease_is_taken_over_and_the_stale_holder_is_fenced<S: Harness>(store: S) {
     let lease = Duration::from_millis(300);
-    let idem = Idempotency::new(store.clone()).with_lease(lease);
+    // A stalled holder: its lease is not kept alive (a frozen process stops beating).
+    let idem = Idempotency::new(store.clone())
+        .with_lease(lease)
+        .with_heartbeat(false);
     let trial = unique("takeover");
     let a = attempt("user-1", &trial, json!({"sku": "tea"}));
 
@@ -234,7 +237,10 @@ async fn an_expired_lease_is_taken_over_and_the_stale_holder_is_fenced<S: Harnes
 /// rolled back; on SQLite the stalled writer holds the database, so the retry waits and replays.
 async fn a_worker_stalled_inside_its_transaction_is_fenced<S: Harness>(store: S) {
     let lease = Duration::from_millis(300);
-    let idem = Idempotency::new(store.clone()).with_lease(lease);
+    // A stalled holder: its lease is not kept alive (a frozen process stops beating).
+    let idem = Idempotency::new(store.clone())
+        .with_lease(lease)
+        .with_heartbeat(false);
     let trial = unique("stalled");
     let a = attempt("user-1", &trial, json!({"sku": "tea"}));
     let (wrote_tx, wrote) = tokio::sync::oneshot::channel();
@@ -276,7 +282,10 @@ async fn a_worker_stalled_inside_its_transaction_is_fenced<S: Harness>(store: S)
 
 async fn an_external_operation_is_not_taken_over<S: Harness>(store: S) {
     let lease = Duration::from_millis(200);
-    let idem = Idempotency::new(store.clone()).with_lease(lease);
+    // A stalled holder: its lease is not kept alive (a frozen process stops beating).
+    let idem = Idempotency::new(store.clone())
+        .with_lease(lease)
+        .with_heartbeat(false);
     let trial = unique("external");
     let a = attempt("user-1", &trial, json!({})).with_effects(Effects::External);
     let Reservation::Acquired(lease_held) = idem.reserve(&a).await.unwrap() else {
@@ -460,6 +469,119 @@ async fn release_for_an_error_lets_a_retry_run<S: Harness>(store: S) {
     let retried = purchase(&idem, &a, &trial, 2).await.unwrap();
     assert!(!retried.is_replayed());
     assert_eq!(store.count_effects(&trial).await, 1);
+}
+
+/// The heartbeat: work lasting five leases completes once. Retries sent meanwhile, each past
+/// the lease, get `InProgress` instead of taking the key over, and then the stored result.
+async fn work_lasting_five_leases_completes_once<S: Harness>(store: S) {
+    let lease = Duration::from_millis(200);
+    let idem = Idempotency::new(store.clone()).with_lease(lease);
+    let trial = unique("long-work");
+    let a = attempt("user-1", &trial, json!({"sku": "tea"}));
+    let (started_tx, started) = tokio::sync::oneshot::channel();
+    let worker = tokio::spawn({
+        let (idem, a, trial) = (idem.clone(), a.clone(), trial.clone());
+        async move {
+            idem.run(&a, async |tx| {
+                started_tx.send(()).unwrap();
+                tokio::time::sleep(lease * 5).await;
+                S::insert_effect(tx, &trial).await?;
+                Ok::<_, sqlx::Error>(json!({"by": "worker"}))
+            })
+            .await
+        }
+    });
+    started.await.unwrap();
+    if S::NAME != "sqlite" {
+        // (On SQLite the worker's transaction holds the one writer: a retry waits for it.)
+        for _ in 0..3 {
+            tokio::time::sleep(lease + Duration::from_millis(50)).await;
+            let retry = purchase(&idem, &a, &trial, 2).await;
+            assert!(
+                matches!(retry, Err(Error::InProgress { .. })),
+                "{}: a live holder keeps its key past its lease: {retry:?}",
+                S::NAME
+            );
+        }
+    }
+    let done = worker.await.unwrap().unwrap();
+    assert_eq!(done, Outcome::Executed(json!({"by": "worker"})));
+    assert_eq!(
+        purchase(&idem, &a, &trial, 3).await.unwrap(),
+        Outcome::Replayed(json!({"by": "worker"}))
+    );
+    assert_eq!(store.count_effects(&trial).await, 1);
+}
+
+/// A heartbeat racing a takeover. The holder reserves (on a store of its own with a 2-connection
+/// pool), then its pool is starved for 0.5 to 2 leases: its beats wait, as a frozen process's
+/// would. Meanwhile a retry on another store polls the key from just past the lease on, and takes
+/// it over once the lease has ended. Depending on which comes first, the holder's late beat
+/// extends the lease (the retry gets `InProgress`, then the holder's stored result) or finds the
+/// token gone (the holder's completion fails with `LeaseLost`; the retry executes). Exactly one
+/// completes and one effect survives, 200 times; both orders must occur.
+async fn a_heartbeat_racing_a_takeover_never_lets_both_complete<S: Harness>(store: S) {
+    const TRIALS: u32 = 200;
+    let lease = Duration::from_millis(60);
+    let holder_store = store.reopen(2).await;
+    let holder = Idempotency::new(holder_store.clone()).with_lease(lease);
+    let retrier = Idempotency::new(store.reopen(4).await).with_lease(lease);
+    let (mut kept, mut taken_over) = (0, 0);
+    for trial_no in 0..TRIALS {
+        let trial = format!("{}-{trial_no}", unique("beat-race"));
+        let a = attempt("racer", &trial, json!({"trial": trial}));
+        let Reservation::Acquired(held) = holder.reserve(&a).await.unwrap() else {
+            panic!("{}: a fresh key", S::NAME)
+        };
+        let starved = holder_store.starve().await;
+        let retry = tokio::spawn({
+            let (retrier, a, trial) = (retrier.clone(), a.clone(), trial.clone());
+            async move {
+                tokio::time::sleep(lease + Duration::from_millis(2)).await;
+                loop {
+                    match purchase(&retrier, &a, &trial, 2).await {
+                        Ok(outcome) => return outcome,
+                        Err(Error::InProgress { .. }) => {
+                            tokio::time::sleep(Duration::from_millis(3)).await
+                        }
+                        Err(other) => panic!("{}: {other:?}", S::NAME),
+                    }
+                }
+            }
+        });
+        // Frozen for 0.5 to 2 leases, across the end of the lease.
+        tokio::time::sleep(lease * (10 + trial_no % 31) / 20).await;
+        drop(starved);
+        // The holder works on for another lease: only its heartbeat keeps the key now.
+        tokio::time::sleep(lease).await;
+        let mut tx = holder_store.begin().await.unwrap();
+        S::insert_effect(&mut tx, &trial).await.unwrap();
+        let finished = held.finish(tx, b"{\"by\":\"holder\"}").await;
+        let retried = retry.await.unwrap();
+        match (&finished, &retried) {
+            (Ok(()), Outcome::Replayed(_)) => kept += 1,
+            (Err(Error::LeaseLost), Outcome::Executed(_)) => taken_over += 1,
+            other => panic!(
+                "{}: trial {trial_no}: exactly one completes: {other:?}",
+                S::NAME
+            ),
+        }
+        assert_eq!(
+            store.count_effects(&trial).await,
+            1,
+            "{}: trial {trial_no}",
+            S::NAME
+        );
+    }
+    println!(
+        "{}: {TRIALS} races of a late heartbeat and a takeover: {kept} holders kept their key, {taken_over} were taken over",
+        S::NAME
+    );
+    assert!(
+        kept > 0 && taken_over > 0,
+        "{}: both orders must occur: kept {kept}, taken over {taken_over}",
+        S::NAME
+    );
 }
 
 async fn migrate_is_idempotent_and_concurrent<S: Harness>(store: S) {
@@ -696,6 +818,8 @@ test_support::backend_tests! {
     a_failed_external_run_keeps_its_key_pending,
     store_for_an_error_parks_the_key,
     release_for_an_error_lets_a_retry_run,
+    work_lasting_five_leases_completes_once,
+    a_heartbeat_racing_a_takeover_never_lets_both_complete,
     migrate_is_idempotent_and_concurrent,
     concurrent_duplicates_execute_exactly_once,
     the_replay_read_answers_only_completed_matching_rows,

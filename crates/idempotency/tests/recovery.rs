@@ -41,7 +41,9 @@ const SHORT_LEASE: Duration = Duration::from_millis(40);
 /// A worker that reserved `attempt` and died: the lease is forgotten (no release on drop), and
 /// we wait until the database clock says it has ended.
 async fn abandon<S: Harness + Maintenance>(store: &S, attempt: &Attempt) -> KeyRecord {
-    let idem = Idempotency::new(store.clone()).with_lease(SHORT_LEASE);
+    let idem = Idempotency::new(store.clone())
+        .with_lease(SHORT_LEASE)
+        .with_heartbeat(false);
     match idem.reserve(attempt).await.expect("reserve") {
         Reservation::Acquired(lease) => std::mem::forget(lease),
         _ => panic!("{}: fresh key was completed", S::NAME),
@@ -256,7 +258,9 @@ async fn live_leases_are_left_alone<S: Harness + Maintenance>(store: S) {
 async fn late_original_worker_cannot_complete_after_recovery<S: Harness + Maintenance>(store: S) {
     let trial = unique("late");
     let a = attempt("user-1", &trial, json!({"trial": trial}));
-    let idem = Idempotency::new(store.clone()).with_lease(SHORT_LEASE);
+    let idem = Idempotency::new(store.clone())
+        .with_lease(SHORT_LEASE)
+        .with_heartbeat(false);
     let Reservation::Acquired(lease) = idem.reserve(&a).await.unwrap() else {
         panic!("fresh key")
     };
@@ -288,7 +292,9 @@ async fn racing_recovery_workers_never_double_act<S: Harness + Maintenance>(stor
         let prefix = format!("{}-{trial}", unique("race"));
         let mut externals = Vec::new();
         // Reserve everything first, then wait once for the short leases to end.
-        let idem = Idempotency::new(store.clone()).with_lease(SHORT_LEASE);
+        let idem = Idempotency::new(store.clone())
+            .with_lease(SHORT_LEASE)
+            .with_heartbeat(false);
         for i in 0..KEYS {
             for a in [
                 external("racer", &format!("{prefix}-e{i}")),
@@ -590,7 +596,9 @@ async fn late_original_racing_recovery_never_both_act<S: Harness + Maintenance>(
         };
         let name = format!("{}-{trial}", unique("late-race"));
         let a = attempt("user-1", &name, json!({"trial": name})).with_effects(effects);
-        let idem = Idempotency::new(store.clone()).with_lease(SHORT_LEASE);
+        let idem = Idempotency::new(store.clone())
+            .with_lease(SHORT_LEASE)
+            .with_heartbeat(false);
         let Reservation::Acquired(lease) = idem.reserve(&a).await.unwrap() else {
             panic!("fresh key")
         };

@@ -38,6 +38,7 @@ test_support::backend_tests! {
     a_declined_call_settles_as_a_stored_failure,
     an_unkeyed_call_whose_answer_is_lost_parks_the_key,
     a_lost_answer_is_looked_up_and_completes_inline,
+    a_call_lasting_five_leases_keeps_its_key,
     a_client_retry_resumes_an_abandoned_operation,
     the_request_is_stored_while_pending_and_cleared_on_completion,
     an_oversized_request_is_refused_and_its_key_released,
@@ -528,9 +529,12 @@ fn policy() -> StepPolicy {
     StepPolicy::default().with_retry_after(Duration::from_millis(50))
 }
 
+/// The engine of these tests. Their workers stall or die on purpose, so leases are not kept
+/// alive (a frozen or dead process stops beating); the heartbeat is proven in `protocol.rs`.
 fn engine<S: Store>(store: &S, lease: Duration) -> Idempotency<S> {
     Idempotency::new(store.clone())
         .with_lease(lease)
+        .with_heartbeat(false)
         .with_step_policy(policy())
 }
 
@@ -966,6 +970,7 @@ async fn unknown_outcomes_end_in_review_never_in_a_release<S: Harness + Maintena
         .with_calls_per_step(3);
     let engine = Idempotency::new(store.clone())
         .with_lease(LEASE)
+        .with_heartbeat(false)
         .with_step_policy(policy);
     let trial = unique("unknown");
     let key = key_of("transfer", &trial);
@@ -1244,6 +1249,48 @@ async fn an_unkeyed_call_whose_answer_is_lost_parks_the_key<S: Harness + Mainten
         "a started unkeyed call is never made again"
     );
     assert_eq!(finish_rows(&store, &trial).await, 0);
+}
+
+/// The heartbeat in a durable operation: an outside call lasting five leases keeps its key.
+/// Polled past the lease three times meanwhile, the resumer takes nothing over and a retry is
+/// told to wait; the operation completes once, with one charge.
+async fn a_call_lasting_five_leases_keeps_its_key<S: Harness + Maintenance>(store: S) {
+    let lease = Duration::from_millis(200);
+    let provider = Provider::default();
+    provider.slow_calls(lease * 5);
+    let trial = unique("long-call");
+    let key = key_of("transfer", &trial);
+    let request = TransferRequest::new(&trial, 500);
+    // This test's engine keeps its leases alive (the others' workers stall on purpose).
+    let beating = Idempotency::new(store.clone())
+        .with_lease(lease)
+        .with_step_policy(policy());
+    let worker = tokio::spawn({
+        let (engine, operation) = (beating.clone(), Transfer::new(&provider, "first"));
+        let (trial, request) = (trial.clone(), request.clone());
+        async move { engine.perform(&operation, SCOPE, &trial, &request).await }
+    });
+    for poll in 0..3 {
+        tokio::time::sleep(lease + Duration::from_millis(50)).await;
+        let report = resumer(&store, Transfer::new(&provider, "resumer"))
+            .run_once()
+            .await
+            .unwrap();
+        assert_eq!(report.acted(), 0, "{}: poll {poll}: {report}", S::NAME);
+        let retry = beating
+            .perform(&Transfer::new(&provider, "retry"), SCOPE, &trial, &request)
+            .await;
+        assert!(
+            matches!(retry, Err(PerformError::Reserve(Error::InProgress { .. }))),
+            "{}: poll {poll}: {retry:?}",
+            S::NAME
+        );
+    }
+    let outcome = worker.await.unwrap().unwrap();
+    let context = format!("{}: a call lasting five leases", S::NAME);
+    let receipt = assert_charged_once(&store, &provider, &key, &trial, &context).await;
+    assert_eq!(outcome, Outcome::Executed(receipt), "{context}");
+    assert_eq!(provider.total_charges(), 1, "{context}");
 }
 
 /// A keyed call whose answer is lost is looked up by the same key and completes inline; one whose

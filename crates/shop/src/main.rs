@@ -49,10 +49,15 @@ struct ServeArgs {
     /// Probability that a mail provider call fails (half of the failures after sending).
     #[arg(long, default_value_t = 0.0, value_parser = rate)]
     mail_fail_rate: f64,
-    /// How long a request may hold its idempotency key, in milliseconds, before a retry may take
-    /// it over (purchases, orders) or the recovery job may resolve it (e-mails).
-    #[arg(long, default_value_t = 30_000)]
+    /// How long a request may go without a sign of life, in milliseconds, before a retry may
+    /// take its idempotency key over (purchases, orders) or the recovery job may resolve it
+    /// (e-mails). A live request's lease is extended every third of it (see `--no-heartbeat`).
+    #[arg(long, default_value_t = 10_000)]
     lease_ms: u64,
+    /// Do not extend held leases while requests work: a request that works longer than
+    /// `--lease-ms` loses its key to a retry, as a frozen process would (`faults slow-worker`).
+    #[arg(long)]
+    no_heartbeat: bool,
     /// Pause between passes of the maintenance worker, in milliseconds: it carries purchases
     /// whose client or process went away to their end, releases abandoned keys and purges expired
     /// ones.
@@ -125,6 +130,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     config.bench_routes = args.bench_routes;
     config.unguarded_purchases = args.unguarded_purchases;
     config.lease = Duration::from_millis(args.lease_ms);
+    config.heartbeat = !args.no_heartbeat;
     config.worker_interval =
         (!args.no_worker).then(|| Duration::from_millis(args.worker_interval_ms.max(10)));
     config.wait_for_in_flight =

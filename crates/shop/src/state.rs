@@ -31,6 +31,9 @@ pub struct Config {
     /// How long a request may hold its key before another may take it over (local routes) or
     /// the recovery job may look at it (external routes).
     pub lease: Duration,
+    /// Whether a held lease is extended while its request works (`Idempotency::with_heartbeat`);
+    /// off, a request working longer than `lease` loses its key to a retry.
+    pub heartbeat: bool,
     /// The pause between passes of the maintenance worker (resume, recover, purge); `None`
     /// runs no worker.
     pub worker_interval: Option<Duration>,
@@ -55,7 +58,8 @@ impl Config {
             bench_routes: false,
             max_connections: 16,
             unguarded_purchases: false,
-            lease: Duration::from_secs(30),
+            lease: Duration::from_secs(10),
+            heartbeat: true,
             worker_interval: Some(Duration::from_secs(1)),
             wait_for_in_flight: None,
             amqp_url: None,
@@ -103,12 +107,18 @@ impl App {
         let (db, providers) = db::connect(&config.database_url, config.max_connections).await?;
         db.migrate().await?;
         providers.migrate().await?;
-        let lease = config.lease;
+        let (lease, heartbeat) = (config.lease, config.heartbeat);
         let engine = match &db {
-            ShopDb::Pg(store) => Engine::Pg(Idempotency::new(store.clone()).with_lease(lease)),
-            ShopDb::Sqlite(store) => {
-                Engine::Sqlite(Idempotency::new(store.clone()).with_lease(lease))
-            }
+            ShopDb::Pg(store) => Engine::Pg(
+                Idempotency::new(store.clone())
+                    .with_lease(lease)
+                    .with_heartbeat(heartbeat),
+            ),
+            ShopDb::Sqlite(store) => Engine::Sqlite(
+                Idempotency::new(store.clone())
+                    .with_lease(lease)
+                    .with_heartbeat(heartbeat),
+            ),
         };
         let payment = PaymentProvider::new(providers.clone(), config.payment);
         Ok(Self(Arc::new(Inner {

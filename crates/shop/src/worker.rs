@@ -42,8 +42,9 @@ pub struct WorkerArgs {
     #[arg(long, default_value_t = 0.0)]
     pub mail_fail_rate: f64,
     /// How long an event's key is held before the next delivery (or the maintenance worker) may
-    /// carry on the event of a worker that died, in milliseconds.
-    #[arg(long, default_value_t = 30_000)]
+    /// carry on the event of a worker that died, in milliseconds (a live worker's lease is
+    /// extended while it works).
+    #[arg(long, default_value_t = 10_000)]
     pub lease_ms: u64,
 }
 

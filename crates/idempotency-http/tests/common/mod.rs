@@ -226,6 +226,15 @@ where
         .route_layer(layer(store.clone()).with_body_limit(1024));
     let short_lease = Router::new()
         .route("/short-lease", post(create_order::<S::Database>))
+        .route_layer(
+            // A handler that stalls stands for a frozen process: its lease is not kept alive.
+            layer(store.clone())
+                .with_lease(SHORT_LEASE)
+                .with_heartbeat(false),
+        );
+    // The same short lease, kept alive while the handler runs.
+    let beating = Router::new()
+        .route("/beating", post(create_order::<S::Database>))
         .route_layer(layer(store.clone()).with_lease(SHORT_LEASE));
     let external = Router::new()
         .route("/payments", post(create_order::<S::Database>))
@@ -255,6 +264,7 @@ where
         .merge(optional)
         .merge(small)
         .merge(short_lease)
+        .merge(beating)
         .merge(external)
         .merge(external_default)
 }

@@ -391,6 +391,16 @@ pub trait Store: Clone + Send + Sync + 'static {
         reason: &str,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send;
 
+    /// Extends the lease of a key still pending with `token` to `lease` from now, by the
+    /// database's clock: a live holder's heartbeat. `false` means the lease is no longer ours
+    /// (taken over, settled, released or parked).
+    fn extend_lease(
+        &self,
+        key: &IdempotencyKey,
+        token: LeaseToken,
+        lease: Duration,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
     /// Inside a durable step's transaction: writes `progress` (recovery point, journal, and the
     /// request where none is stored yet), only where the key is pending with `token`. `false`
     /// means the lease was lost: the step's transaction must roll back (fencing).

@@ -428,6 +428,29 @@ impl Store for MySqlStore {
         Ok(parked == 1)
     }
 
+    async fn extend_lease(
+        &self,
+        key: &IdempotencyKey,
+        token: LeaseToken,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        let extended = self
+            .write_retrying(|| {
+                sqlx::query(
+                    "UPDATE idempotency_keys SET lease_until = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND
+                     WHERE scope = ? AND operation = ? AND idem_key = ?
+                       AND state = 'pending' AND lease_token = ?",
+                )
+                .bind(micros(lease))
+                .bind(key.scope().as_bytes())
+                .bind(key.operation().as_bytes())
+                .bind(key.key().as_bytes())
+                .bind(token.0.as_bytes().as_slice())
+            })
+            .await?;
+        Ok(extended == 1)
+    }
+
     async fn claim_for_recovery(
         &self,
         key: &IdempotencyKey,

@@ -379,6 +379,27 @@ impl Store for PgStore {
         Ok(done.rows_affected() == 1)
     }
 
+    async fn extend_lease(
+        &self,
+        key: &IdempotencyKey,
+        token: LeaseToken,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        let done = sqlx::query(
+            "UPDATE idempotency_keys SET lease_until = now() + $5 * INTERVAL '1 millisecond'
+             WHERE scope = $1 AND operation = $2 AND idem_key = $3
+               AND state = 'pending' AND lease_token = $4",
+        )
+        .bind(key.scope())
+        .bind(key.operation())
+        .bind(key.key())
+        .bind(token.0)
+        .bind(millis(lease))
+        .execute(&self.pool)
+        .await?;
+        Ok(done.rows_affected() == 1)
+    }
+
     async fn claim_for_recovery(
         &self,
         key: &IdempotencyKey,

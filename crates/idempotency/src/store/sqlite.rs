@@ -392,6 +392,28 @@ impl Store for SqliteStore {
         Ok(done.rows_affected() == 1)
     }
 
+    async fn extend_lease(
+        &self,
+        key: &IdempotencyKey,
+        token: LeaseToken,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        let done = sqlx::query(concat!(
+            "UPDATE idempotency_keys SET lease_until = ",
+            now_ms!(),
+            " + ?5 WHERE scope = ?1 AND operation = ?2 AND idem_key = ?3
+               AND state = 'pending' AND lease_token = ?4"
+        ))
+        .bind(key.scope())
+        .bind(key.operation())
+        .bind(key.key())
+        .bind(token.0.as_bytes().as_slice())
+        .bind(millis(lease))
+        .execute(&self.writer)
+        .await?;
+        Ok(done.rows_affected() == 1)
+    }
+
     async fn claim_for_recovery(
         &self,
         key: &IdempotencyKey,

@@ -7,7 +7,7 @@ use idempotency::{Attempt, Error, Fingerprint, Idempotency, IdempotencyKey, Outc
 use idempotency::{PgStore, SqliteStore, Store};
 use serde_json::json;
 use sqlx::Transaction;
-use std::{sync::Arc, time::Duration};
+use std::{any::Any, sync::Arc, time::Duration};
 
 /// A store on a fresh database, with a business table to count effects in.
 pub trait Harness: Store + Sized {
@@ -26,6 +26,14 @@ pub trait Harness: Store + Sized {
 
     /// How many effects `trial` has.
     fn count_effects(&self, trial: &str) -> impl std::future::Future<Output = i64> + Send;
+
+    /// Another store on the same database, with a pool of at most `connections`.
+    fn reopen(&self, connections: u32) -> impl std::future::Future<Output = Self> + Send;
+
+    /// Holds every connection this store writes with until the guard is dropped: meanwhile its
+    /// statements (a lease's heartbeat among them) wait, as a frozen process's would. Other
+    /// stores on the database ([`reopen`](Self::reopen)) go on.
+    fn starve(&self) -> impl std::future::Future<Output = Box<dyn Any + Send>> + Send;
 }
 
 impl Harness for PgStore {
@@ -67,6 +75,19 @@ impl Harness for PgStore {
             .await
             .expect("count effects")
     }
+    async fn reopen(&self, connections: u32) -> Self {
+        let options = self.pool().connect_options().as_ref().clone();
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(connections)
+            .connect_with(options)
+            .await
+            .expect("reopen postgres");
+        PgStore::new(pool)
+    }
+
+    async fn starve(&self) -> Box<dyn Any + Send> {
+        Box::new(hold_all(self.pool()).await)
+    }
 }
 
 /// Keeps every SQLite test file alive for the whole test binary.
@@ -107,6 +128,23 @@ impl Harness for SqliteStore {
             .fetch_one(self.pool())
             .await
             .expect("count effects")
+    }
+    async fn reopen(&self, _connections: u32) -> Self {
+        let file = self.pool().connect_options().get_filename().to_owned();
+        SqliteStore::connect(&format!("sqlite://{}", file.display()))
+            .await
+            .expect("reopen sqlite")
+    }
+
+    async fn starve(&self) -> Box<dyn Any + Send> {
+        // Every write goes through the one writer connection; holding it (outside any
+        // transaction) takes no SQLite lock, so other stores on the file go on writing.
+        Box::new(
+            self.writer()
+                .acquire()
+                .await
+                .expect("the writer connection"),
+        )
     }
 }
 
@@ -151,6 +189,30 @@ impl Harness for idempotency::MySqlStore {
             .await
             .expect("count effects")
     }
+    async fn reopen(&self, connections: u32) -> Self {
+        let options = self.pool().connect_options().as_ref().clone();
+        let pool = sqlx::mysql::MySqlPoolOptions::new()
+            .max_connections(connections)
+            .connect_with(options)
+            .await
+            .expect("reopen mysql");
+        idempotency::MySqlStore::new(pool)
+    }
+
+    async fn starve(&self) -> Box<dyn Any + Send> {
+        Box::new(hold_all(self.pool()).await)
+    }
+}
+
+/// Every connection `pool` may open, held.
+async fn hold_all<DB: sqlx::Database>(
+    pool: &sqlx::Pool<DB>,
+) -> Vec<sqlx::pool::PoolConnection<DB>> {
+    let mut held = Vec::new();
+    for _ in 0..pool.options().get_max_connections() {
+        held.push(pool.acquire().await.expect("a pooled connection"));
+    }
+    held
 }
 
 /// Runs the generic test `$test` (`async fn name<S: Harness>(store: S)`) on `$backend`'s store:
