@@ -1,13 +1,16 @@
-//! `faults`: the fault proof of the demo shop on a real PostgreSQL (and, for `abandon`, on
-//! SQLite too; `consumer-kill9` also needs RabbitMQ at `TEST_AMQP_URL`). Each scenario starts real `shop` processes, injects a fault, lets the shop's
-//! worker settle what the clients left, and checks from the databases that nothing was charged
-//! twice, no key was lost or left pending, and every charge belongs to a paid order or was
-//! refunded. Prints its counts and ends with `N passed, M failed`.
+//! `faults`: the fault proof of the demo shop on a real PostgreSQL and on SQLite
+//! (`--backend`; `lost-ack`, `db-restart` and `consumer-kill9` need a database server and run on
+//! PostgreSQL only; `consumer-kill9` also needs RabbitMQ at `TEST_AMQP_URL`). Each scenario
+//! starts real `shop` processes, injects a fault, lets the shop's worker settle what the clients
+//! left, and checks from the databases that nothing was charged twice, no key was lost or left
+//! pending, every charge belongs to a paid order or was refunded, and (SQLite) `PRAGMA
+//! integrity_check` answers `ok`. Prints its counts and ends with `N passed, M failed`.
 //!
 //! ```text
 //! cargo build --release -p shop -p idempotency-cli -p faults
 //! TEST_POSTGRES_URL=postgres://idem:idem@127.0.0.1/idem target/release/faults \
-//!     --shop-bin target/release/shop --idem-bin target/release/idem
+//!     --shop-bin target/release/shop --idem-bin target/release/idem --backend postgres
+//! target/release/faults --backend sqlite
 //! ```
 
 mod checks;
@@ -18,6 +21,7 @@ mod scenarios;
 mod shop_process;
 
 use clap::{Parser, ValueEnum};
+use scenarios::Backend;
 use std::{
     path::PathBuf,
     time::{Duration, Instant},
@@ -35,6 +39,19 @@ enum Scenario {
     ConsumerKill9,
 }
 
+impl Scenario {
+    /// Whether the scenario runs on `backend`: a lost COMMIT acknowledgement and a database
+    /// restart need a database server; the queue consumer's scenario runs its shop on PostgreSQL.
+    fn runs_on(self, backend: Backend) -> bool {
+        match self {
+            Scenario::LostAck | Scenario::DbRestart | Scenario::ConsumerKill9 => {
+                backend == Backend::Postgres
+            }
+            _ => true,
+        }
+    }
+}
+
 /// Fault proof: kill -9, lost COMMIT acknowledgements, database restarts, slow workers, hostile
 /// input, cross-tenant keys and abandoned purchases, against real `shop` processes on PostgreSQL
 /// (TEST_POSTGRES_URL) and SQLite.
@@ -49,6 +66,10 @@ struct Args {
     /// Scenarios to run (default: all).
     #[arg(long, value_enum, value_delimiter = ',')]
     only: Vec<Scenario>,
+    /// Backends to run them on (default: postgres and sqlite). A scenario that needs a
+    /// database server is not run on SQLite.
+    #[arg(long, value_enum, value_delimiter = ',')]
+    backend: Vec<Backend>,
     /// SIGKILLs in the kill9 scenario.
     #[arg(long, default_value_t = 20)]
     kills: usize,
@@ -128,45 +149,65 @@ async fn main() {
     } else {
         args.only.clone()
     };
+    let backends: Vec<Backend> = if args.backend.is_empty() {
+        vec![Backend::Postgres, Backend::Sqlite]
+    } else {
+        args.backend.clone()
+    };
     let (mut passed, mut failed) = (0, 0);
     for scenario in chosen {
-        let started = Instant::now();
-        let result = match scenario {
-            Scenario::Kill9 => scenarios::kill9(&env, args.kills).await,
-            Scenario::LostAck => scenarios::lost_ack(&env, args.trials).await,
-            Scenario::DbRestart => scenarios::db_restart(&env).await,
-            Scenario::SlowWorker => scenarios::slow_worker(&env, args.trials.min(5)).await,
-            Scenario::Hostile => scenarios::hostile(&env).await,
-            Scenario::CrossTenant => scenarios::cross_tenant(&env, args.trials).await,
-            Scenario::Abandon => scenarios::abandon(&env, args.abandon_kills).await,
-            Scenario::ConsumerKill9 => {
-                let mut result = Ok(());
-                for broker_restart in [false, true] {
-                    let plan = consumer_kill9::Plan {
-                        messages: args.consumer_messages,
-                        kills: args.consumer_kills,
-                        broker_restart,
-                    };
-                    result = consumer_kill9::consumer_kill9(&env, plan, &rabbitmq_ctl).await;
-                    if result.is_err() {
-                        break;
-                    }
+        for &backend in &backends {
+            if !scenario.runs_on(backend) {
+                println!(
+                    "faults: {scenario:?} on {backend}: not applicable (needs a database server)"
+                );
+                continue;
+            }
+            let started = Instant::now();
+            let result = run(&args, &env, &rabbitmq_ctl, scenario, backend).await;
+            let took = started.elapsed().as_secs_f64();
+            match result {
+                Ok(()) => {
+                    passed += 1;
+                    println!("faults: {scenario:?} on {backend}: ok ({took:.1}s)");
                 }
-                result
-            }
-        };
-        let took = started.elapsed().as_secs_f64();
-        match result {
-            Ok(()) => {
-                passed += 1;
-                println!("faults: {scenario:?}: ok ({took:.1}s)");
-            }
-            Err(e) => {
-                failed += 1;
-                println!("faults: {scenario:?}: FAILED ({took:.1}s): {e:#}");
+                Err(e) => {
+                    failed += 1;
+                    println!("faults: {scenario:?} on {backend}: FAILED ({took:.1}s): {e:#}");
+                }
             }
         }
     }
     println!("faults: {passed} passed, {failed} failed");
     std::process::exit(if failed == 0 { 0 } else { 1 });
+}
+
+/// Runs one scenario on one backend.
+async fn run(
+    args: &Args,
+    env: &scenarios::Env,
+    rabbitmq_ctl: &[String],
+    scenario: Scenario,
+    backend: Backend,
+) -> anyhow::Result<()> {
+    match scenario {
+        Scenario::Kill9 => scenarios::kill9(env, backend, args.kills).await,
+        Scenario::LostAck => scenarios::lost_ack(env, args.trials).await,
+        Scenario::DbRestart => scenarios::db_restart(env).await,
+        Scenario::SlowWorker => scenarios::slow_worker(env, backend, args.trials.min(5)).await,
+        Scenario::Hostile => scenarios::hostile(env, backend).await,
+        Scenario::CrossTenant => scenarios::cross_tenant(env, backend, args.trials).await,
+        Scenario::Abandon => scenarios::abandon(env, backend, args.abandon_kills).await,
+        Scenario::ConsumerKill9 => {
+            for broker_restart in [false, true] {
+                let plan = consumer_kill9::Plan {
+                    messages: args.consumer_messages,
+                    kills: args.consumer_kills,
+                    broker_restart,
+                };
+                consumer_kill9::consumer_kill9(env, plan, rabbitmq_ctl).await?;
+            }
+            Ok(())
+        }
+    }
 }

@@ -1,6 +1,7 @@
-//! The fault scenarios. Each runs on a fresh PostgreSQL database (`abandon` also on SQLite),
-//! prints its counts, and fails on any duplicated charge, lost key, unsettled key or unclear
-//! answer.
+//! The fault scenarios. Each runs on a fresh database of the backend it is given (a PostgreSQL
+//! database, or a SQLite file in a temporary folder; `lost-ack` and `db-restart` need a database
+//! server and run on PostgreSQL), prints its counts, and fails on any duplicated charge, lost
+//! key, unsettled key, unclear answer or (SQLite) a failed `PRAGMA integrity_check`.
 
 use crate::{
     checks::{check, wait_settled, Verdict},
@@ -61,10 +62,62 @@ fn as_strs(args: &[String]) -> Vec<&str> {
     args.iter().map(String::as_str).collect()
 }
 
-async fn fresh_database() -> Result<String> {
+async fn fresh_postgres() -> Result<String> {
     test_support::fresh_postgres_url()
         .await
         .context("TEST_POSTGRES_URL must name the PostgreSQL server")
+}
+
+/// Where a scenario keeps the shop's tables.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Backend {
+    /// A fresh PostgreSQL database on the server of `TEST_POSTGRES_URL`.
+    Postgres,
+    /// A SQLite file in a temporary folder (the shop's embedded default).
+    Sqlite,
+}
+
+impl std::fmt::Display for Backend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Backend::Postgres => "postgres",
+            Backend::Sqlite => "sqlite",
+        })
+    }
+}
+
+/// A fresh database for one scenario run. A SQLite file lives in a temporary folder, deleted
+/// when this is dropped unless [`FreshDatabase::keep`] was called.
+pub struct FreshDatabase {
+    /// The shop's `--database-url`.
+    pub url: String,
+    scratch: Option<tempfile::TempDir>,
+}
+
+impl FreshDatabase {
+    async fn new(backend: Backend) -> Result<Self> {
+        Ok(match backend {
+            Backend::Postgres => FreshDatabase {
+                url: fresh_postgres().await?,
+                scratch: None,
+            },
+            Backend::Sqlite => {
+                let scratch = tempfile::tempdir()?;
+                FreshDatabase {
+                    url: format!("sqlite://{}", scratch.path().join("shop.db").display()),
+                    scratch: Some(scratch),
+                }
+            }
+        })
+    }
+
+    /// Keeps a SQLite folder for inspection and says where it is.
+    fn keep(&mut self) -> String {
+        match self.scratch.take() {
+            Some(scratch) => format!("databases kept in {}", scratch.keep().display()),
+            None => format!("database {}", self.url),
+        }
+    }
 }
 
 fn purchase_body(rng: &mut impl Rng) -> Value {
@@ -163,7 +216,11 @@ async fn settle_and_check(env: &Env, database_url: &str, ops: &[OpReport]) -> Re
         );
     }
     let verdict = check(&db, ops, START_BALANCE_CENTS).await;
+    let integrity = db.integrity_check().await;
     db.close().await;
+    if integrity? {
+        println!("faults: PRAGMA integrity_check of both SQLite files (shop, providers): ok");
+    }
     verdict
 }
 
@@ -199,8 +256,9 @@ fn print_verdict(name: &str, v: &Verdict) {
 
 /// SIGKILL the shop at random moments while clients keep retrying; then restart it, let its
 /// worker settle what the clients left, and check.
-pub async fn kill9(env: &Env, kills: usize) -> Result<()> {
-    let db = fresh_database().await?;
+pub async fn kill9(env: &Env, backend: Backend, kills: usize) -> Result<()> {
+    let mut fresh = FreshDatabase::new(backend).await?;
+    let db = fresh.url.clone();
     let mut args = env.shop_args();
     args.extend(["--payment-latency-ms".into(), "15".into()]);
     let shop = ShopProcess::start(&env.shop_bin, &db, &as_strs(&args)).await?;
@@ -229,7 +287,13 @@ pub async fn kill9(env: &Env, kills: usize) -> Result<()> {
     );
     // Once more, then leave it alone: its worker resumes whatever is still pending.
     shop.restart().await?;
-    let verdict = settle_and_check(env, &db, &ops).await?;
+    let verdict = match settle_and_check(env, &db, &ops).await {
+        Ok(verdict) => verdict,
+        Err(e) => {
+            let kept = fresh.keep();
+            return Err(e.context(format!("{kept}; shop log {}", shop.log().display())));
+        }
+    };
     ensure!(
         !shop.panicked(),
         "the shop panicked; log {}",
@@ -239,18 +303,18 @@ pub async fn kill9(env: &Env, kills: usize) -> Result<()> {
     let recovered = recover(env, &db).await?;
     let (requests, replays, transport, _) = totals(&ops);
     println!(
-        "faults: kill9: {kills} kills ({starts} starts) in {:.1}s, {} operations, {requests} requests, {replays} replays, {transport} transport errors; then idem recover: {recovered}",
+        "faults: kill9 ({backend}): {kills} kills ({starts} starts) in {:.1}s, {} operations, {requests} requests, {replays} replays, {transport} transport errors; then idem recover: {recovered}",
         started.elapsed().as_secs_f64(),
         ops.len()
     );
-    print_verdict("kill9", &verdict);
+    print_verdict(&format!("kill9 ({backend})"), &verdict);
     ensure!(verdict.executed_once > 0, "nothing executed");
     Ok(())
 }
 
 /// A proxy cuts the connection right after forwarding the business COMMIT, before its reply.
 pub async fn lost_ack(env: &Env, trials: usize) -> Result<()> {
-    let db = fresh_database().await?;
+    let db = fresh_postgres().await?;
     let options: sqlx::postgres::PgConnectOptions = db.parse()?;
     let upstream = tokio::net::lookup_host((options.get_host().to_owned(), options.get_port()))
         .await?
@@ -335,7 +399,7 @@ fn proxied_url(db: &str, port: u16) -> String {
 /// PostgreSQL restarts mid-storm: answers are 503 problem JSON meanwhile, the shop recovers by
 /// itself, and the invariants hold.
 pub async fn db_restart(env: &Env) -> Result<()> {
-    let db = fresh_database().await?;
+    let db = fresh_postgres().await?;
     let mut shop = ShopProcess::start(&env.shop_bin, &db, &as_strs(&env.shop_args())).await?;
     let stop = Arc::new(AtomicBool::new(false));
     let workers = purchase_workers(shop.url(), 6, stop.clone());
@@ -381,8 +445,9 @@ async fn postgres_ctl(env: &Env, action: &str) -> Result<()> {
 
 /// A handler stalls past its lease while a retry takes the key over: the stale worker's commit
 /// is refused and rolled back; one charge in total.
-pub async fn slow_worker(env: &Env, trials: usize) -> Result<()> {
-    let db = fresh_database().await?;
+pub async fn slow_worker(env: &Env, backend: Backend, trials: usize) -> Result<()> {
+    let fresh = FreshDatabase::new(backend).await?;
+    let db = fresh.url.clone();
     let shop = ShopProcess::start(
         &env.shop_bin,
         &db,
@@ -420,7 +485,7 @@ pub async fn slow_worker(env: &Env, trials: usize) -> Result<()> {
         {
             fenced += 1;
         } else {
-            println!("faults: slow-worker: trial {trial}: the stale worker answered {first_status} {first_json}");
+            println!("faults: slow-worker ({backend}): trial {trial}: the stale worker answered {first_status} {first_json}");
         }
         ensure!(
             retry_status == 201,
@@ -443,8 +508,8 @@ pub async fn slow_worker(env: &Env, trials: usize) -> Result<()> {
         ops.push(op);
     }
     let verdict = settle_and_check(env, &db, &ops).await?;
-    println!("faults: slow-worker: {trials} stalls past the lease, {fenced} stale workers refused with 409 (lease-lost or in-progress), {trials} takeovers executed");
-    print_verdict("slow-worker", &verdict);
+    println!("faults: slow-worker ({backend}): {trials} stalls past the lease, {fenced} stale workers refused with 409 (lease-lost or in-progress), {trials} takeovers executed");
+    print_verdict(&format!("slow-worker ({backend})"), &verdict);
     ensure!(
         fenced == trials,
         "every stale worker must be fenced ({fenced}/{trials})"
@@ -476,8 +541,9 @@ async fn send_once(
 }
 
 /// Hostile input: clear 4xx problem JSON, no panic, nothing stored.
-pub async fn hostile(env: &Env) -> Result<()> {
-    let db = fresh_database().await?;
+pub async fn hostile(env: &Env, backend: Backend) -> Result<()> {
+    let fresh = FreshDatabase::new(backend).await?;
+    let db = fresh.url.clone();
     let shop = ShopProcess::start(&env.shop_bin, &db, &[]).await?;
     let pool = Db::connect(&db).await?;
     let http = reqwest::Client::new();
@@ -631,11 +697,11 @@ pub async fn hostile(env: &Env) -> Result<()> {
     ensure!(kept == [nasty], "the key was not stored verbatim: {kept:?}");
     shop_alive(&shop).await?;
     println!(
-        "faults: hostile: {} hostile requests answered 4xx problem JSON with nothing stored: {}",
+        "faults: hostile ({backend}): {} hostile requests answered 4xx problem JSON with nothing stored: {}",
         answered.len(),
         answered.join("; ")
     );
-    println!("faults: hostile: a key of SQL metacharacters was stored verbatim, executed once and replayed; no panic");
+    println!("faults: hostile ({backend}): a key of SQL metacharacters was stored verbatim, executed once and replayed; no panic");
     Ok(())
 }
 
@@ -714,8 +780,9 @@ async fn shop_alive(shop: &ShopProcess) -> Result<()> {
 }
 
 /// User B sending user A's key and payload never receives A's stored response.
-pub async fn cross_tenant(env: &Env, trials: usize) -> Result<()> {
-    let db = fresh_database().await?;
+pub async fn cross_tenant(env: &Env, backend: Backend, trials: usize) -> Result<()> {
+    let fresh = FreshDatabase::new(backend).await?;
+    let db = fresh.url.clone();
     let shop = ShopProcess::start(&env.shop_bin, &db, &[]).await?;
     let http = reqwest::Client::new();
     let mut ops = Vec::new();
@@ -766,18 +833,9 @@ pub async fn cross_tenant(env: &Env, trials: usize) -> Result<()> {
         ops.push(merge(bob, bob_again));
     }
     let verdict = settle_and_check(env, &db, &ops).await?;
-    println!("faults: cross-tenant: {trials} keys sent by two users at once: {} separate executions, 0 responses crossed", 2 * trials);
-    print_verdict("cross-tenant", &verdict);
+    println!("faults: cross-tenant ({backend}): {trials} keys sent by two users at once: {} separate executions, 0 responses crossed", 2 * trials);
+    print_verdict(&format!("cross-tenant ({backend})"), &verdict);
     Ok(())
-}
-
-/// Where an `abandon` run keeps the shop's tables.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Backend {
-    /// A fresh PostgreSQL database.
-    Postgres,
-    /// A SQLite file in a temporary folder (the embedded default).
-    Sqlite,
 }
 
 /// The faults of an `abandon` run besides the kills.
@@ -806,45 +864,43 @@ struct AbandonRun {
 /// Purchases sent once each (a fresh key, never retried) while the shop is SIGKILLed at random
 /// moments and restarted; then the shop is restarted once more and left alone: within
 /// `settle_limit` its own worker must leave no key pending and no charge without a paid or
-/// refunded order. Four runs: PostgreSQL and SQLite, each with payment latency and with provider
-/// faults (fail rate 0.5).
-pub async fn abandon(env: &Env, kills: usize) -> Result<()> {
+/// refunded order. Two runs on `backend`: with payment latency, and with provider faults (fail
+/// rate 0.5).
+pub async fn abandon(env: &Env, backend: Backend, kills: usize) -> Result<()> {
     let mut failed = Vec::new();
-    for backend in [Backend::Postgres, Backend::Sqlite] {
-        for variant in [Variant::Latency, Variant::ProviderFaults] {
-            let name = format!("{backend:?}/{variant:?}").to_lowercase();
-            let started = Instant::now();
-            match abandon_run(env, backend, variant, kills).await {
-                Ok(run) => {
-                    let v = &run.verdict;
-                    println!(
-                        "faults: abandon {name}: ok ({:.1}s): {} kills, payment latency {} ms; {} purchases sent once ({} more refused a connection while the shop was down), answers {}; settled {:.1}s after the last restart; keys {}: 201 {}, failed-settled {}, 402 {}, needs_review {}, settled by the worker {}; {} sent without a key left (released); charges {}, paid {}, refunded {}",
-                        started.elapsed().as_secs_f64(),
-                        run.kills,
-                        run.latency_ms,
-                        run.sent,
-                        run.refused_connections,
-                        answers(&run.answers),
-                        run.settle.as_secs_f64(),
-                        v.keys,
-                        v.executed_once,
-                        v.settled_failed,
-                        v.refused,
-                        v.needs_review,
-                        run.by_worker,
-                        v.failed_retryable,
-                        v.charges,
-                        v.paid,
-                        v.refunded,
-                    );
-                }
-                Err(e) => {
-                    println!(
-                        "faults: abandon {name}: FAILED ({:.1}s): {e:#}",
-                        started.elapsed().as_secs_f64()
-                    );
-                    failed.push(name);
-                }
+    for variant in [Variant::Latency, Variant::ProviderFaults] {
+        let name = format!("{backend:?}/{variant:?}").to_lowercase();
+        let started = Instant::now();
+        match abandon_run(env, backend, variant, kills).await {
+            Ok(run) => {
+                let v = &run.verdict;
+                println!(
+                    "faults: abandon {name}: ok ({:.1}s): {} kills, payment latency {} ms; {} purchases sent once ({} more refused a connection while the shop was down), answers {}; settled {:.1}s after the last restart; keys {}: 201 {}, failed-settled {}, 402 {}, needs_review {}, settled by the worker {}; {} sent without a key left (released); charges {}, paid {}, refunded {}",
+                    started.elapsed().as_secs_f64(),
+                    run.kills,
+                    run.latency_ms,
+                    run.sent,
+                    run.refused_connections,
+                    answers(&run.answers),
+                    run.settle.as_secs_f64(),
+                    v.keys,
+                    v.executed_once,
+                    v.settled_failed,
+                    v.refused,
+                    v.needs_review,
+                    run.by_worker,
+                    v.failed_retryable,
+                    v.charges,
+                    v.paid,
+                    v.refunded,
+                );
+            }
+            Err(e) => {
+                println!(
+                    "faults: abandon {name}: FAILED ({:.1}s): {e:#}",
+                    started.elapsed().as_secs_f64()
+                );
+                failed.push(name);
             }
         }
     }
@@ -927,11 +983,8 @@ async fn abandon_run(
     variant: Variant,
     kills: usize,
 ) -> Result<AbandonRun> {
-    let scratch = tempfile::tempdir()?;
-    let url = match backend {
-        Backend::Postgres => fresh_database().await?,
-        Backend::Sqlite => format!("sqlite://{}", scratch.path().join("shop.db").display()),
-    };
+    let mut fresh = FreshDatabase::new(backend).await?;
+    let url = fresh.url.clone();
     let latency_ms = rand::thread_rng().gen_range(50..=150);
     let mut args = vec![
         "--lease-ms".to_owned(),
@@ -995,6 +1048,7 @@ async fn abandon_run(
     let outcome = async {
         let (settle, _) = settled?;
         let verdict = check(&db, &ops, START_BALANCE_CENTS).await?;
+        db.integrity_check().await?;
         ensure!(
             !shop.panicked(),
             "the shop panicked; log {}",
@@ -1026,16 +1080,9 @@ async fn abandon_run(
     db.close().await;
     let (settle, verdict, by_worker) = match outcome {
         Ok(done) => done,
-        Err(e) if backend == Backend::Sqlite => {
-            let kept = scratch.keep();
-            return Err(e.context(format!(
-                "databases kept in {}; shop log {}",
-                kept.display(),
-                shop.log().display()
-            )));
-        }
         Err(e) => {
-            return Err(e.context(format!("database {url}; shop log {}", shop.log().display())))
+            let kept = fresh.keep();
+            return Err(e.context(format!("{kept}; shop log {}", shop.log().display())));
         }
     };
     let mut answers = BTreeMap::new();

@@ -229,29 +229,38 @@ where
             Ok(prepared) => prepared,
             Err(refused) => return Ok(refused),
         };
-    if settings.detach {
-        return protect_detached(settings, inner, parts, body, attempt, operation).await;
+    let call = KeyedCall {
+        settings,
+        inner,
+        parts,
+        body,
+        operation,
+    };
+    if call.settings.detach {
+        return protect_detached(call, attempt).await;
     }
     // 1. Reserve the key, committed on its own (a replay is read first); a duplicate of a
     //    request in flight may wait for it (`wait_for_in_flight`).
+    let settings = &call.settings;
     let reserved = in_flight::reserve(
         &settings.idempotency,
         &attempt,
         settings.wait_for_in_flight,
         &settings.waiters,
-        &operation,
+        &call.operation,
     )
     .await;
-    proceed(
-        settings,
-        inner,
-        parts,
-        body,
-        attempt.into_key(),
-        reserved,
-        operation,
-    )
-    .await
+    proceed(call, attempt.into_key(), reserved).await
+}
+
+/// One keyed request on its way through the layer, once its body was read: what every step after
+/// the key check needs.
+struct KeyedCall<S: Store, Inner> {
+    settings: Arc<Settings<S>>,
+    inner: Inner,
+    parts: Parts,
+    body: Bytes,
+    operation: String,
 }
 
 /// What the request asks for: its key, and its fingerprint over the body read within the limit.
@@ -286,12 +295,8 @@ where
 /// [`protect`] for a detached layer: a replay is answered here, without a task; the rest runs
 /// in a task of its own, which finishes whatever the client does.
 async fn protect_detached<S, Inner, ResBody>(
-    settings: Arc<Settings<S>>,
-    inner: Inner,
-    parts: Parts,
-    body: Bytes,
+    call: KeyedCall<S, Inner>,
     attempt: Attempt,
-    operation: String,
 ) -> Result<Response<Body>, Inner::Error>
 where
     S: Store,
@@ -301,6 +306,7 @@ where
     ResBody: http_body::Body<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
+    let (settings, operation) = (call.settings.clone(), call.operation.clone());
     let engine = &settings.idempotency;
     if engine.replays_first() {
         match engine.replay(&attempt).await {
@@ -316,33 +322,22 @@ where
         }
     }
     let engine = engine.clone().with_replay_first(false);
-    let name = operation.clone();
-    let problem_base = settings.problem_base.clone();
     let work = async move {
         let reserved = in_flight::reserve(
             &engine,
             &attempt,
-            settings.wait_for_in_flight,
-            &settings.waiters,
-            &name,
+            call.settings.wait_for_in_flight,
+            &call.settings.waiters,
+            &call.operation,
         )
         .await;
-        proceed(
-            settings,
-            inner,
-            parts,
-            body,
-            attempt.into_key(),
-            reserved,
-            name,
-        )
-        .await
+        proceed(call, attempt.into_key(), reserved).await
     };
     match tokio::spawn(work.in_current_span()).await {
         Ok(answer) => answer,
         Err(error) if error.is_panic() => std::panic::resume_unwind(error.into_panic()),
         Err(error) => Ok(refuse(
-            &problem_base,
+            &settings.problem_base,
             &operation,
             InternalError::TaskEnded(error).into(),
         )),
@@ -352,13 +347,9 @@ where
 /// After the reservation: run the handler for an acquired key, replay a completed one, refuse
 /// the rest (422, 409, 503).
 async fn proceed<S, Inner, ResBody>(
-    settings: Arc<Settings<S>>,
-    inner: Inner,
-    parts: Parts,
-    body: Bytes,
+    call: KeyedCall<S, Inner>,
     key: IdempotencyKey,
     reserved: Result<Reservation<S>, idempotency::Error>,
-    operation: String,
 ) -> Result<Response<Body>, Inner::Error>
 where
     S: Store,
@@ -366,11 +357,12 @@ where
     ResBody: http_body::Body<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
+    let (settings, operation) = (call.settings.clone(), call.operation.clone());
     match reserved {
         Ok(Reservation::Acquired(lease)) => {
             // With waiting on, duplicates may wait for this key: tell them when it is settled.
             let announce = settings.wait_for_in_flight.is_some().then(|| key.clone());
-            let answer = execute(settings.clone(), inner, parts, body, key, lease, operation).await;
+            let answer = execute(call, key, lease).await;
             if let Some(key) = announce {
                 in_flight::announce(settings.idempotency.store(), &settings.waiters, key);
             }
@@ -418,13 +410,9 @@ fn replay<S: Store>(settings: &Settings<S>, op: &str, bytes: &[u8]) -> Response<
 
 /// Steps 2 and 3 for a reserved key: run the handler, then complete (or release, or park).
 async fn execute<S, Inner, ResBody>(
-    settings: Arc<Settings<S>>,
-    mut inner: Inner,
-    parts: Parts,
-    body: Bytes,
+    mut call: KeyedCall<S, Inner>,
     key: IdempotencyKey,
     lease: Lease<S>,
-    operation: String,
 ) -> Result<Response<Body>, Inner::Error>
 where
     S: Store,
@@ -432,7 +420,7 @@ where
     ResBody: http_body::Body<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
-    let op = operation.as_str();
+    let (settings, op) = (call.settings, call.operation.as_str());
     let started = std::time::Instant::now();
     let mut lease = HeldLease {
         slot: LeaseSlot::new(lease),
@@ -443,7 +431,8 @@ where
     // 2. Run the handler, with the (lazily begun) business transaction and the lease in the
     //    extensions.
     let slot = TxSlot::new(settings.idempotency.store().clone());
-    let response = run_handler(&mut inner, parts, body, key, &slot, &mut lease).await?;
+    let (parts, body) = (call.parts, call.body);
+    let response = run_handler(&mut call.inner, parts, body, key, &slot, &mut lease).await?;
     if lease.taken_by_handler() {
         // The handler settled the key itself (a durable operation): nothing to store or release.
         rollback(slot.take_back()).await;
