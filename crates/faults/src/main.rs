@@ -17,6 +17,7 @@ mod checks;
 mod client;
 mod consumer_kill9;
 mod db;
+mod disk_full;
 mod scenarios;
 mod shop_process;
 
@@ -37,16 +38,20 @@ enum Scenario {
     CrossTenant,
     Abandon,
     ConsumerKill9,
+    DiskFull,
 }
 
 impl Scenario {
     /// Whether the scenario runs on `backend`: a lost COMMIT acknowledgement and a database
-    /// restart need a database server; the queue consumer's scenario runs its shop on PostgreSQL.
+    /// restart need a database server; the queue consumer's scenario runs its shop on PostgreSQL;
+    /// a full disk is made under the SQLite files.
     fn runs_on(self, backend: Backend) -> bool {
         match self {
             Scenario::LostAck | Scenario::DbRestart | Scenario::ConsumerKill9 => {
                 backend == Backend::Postgres
             }
+            // A full disk under the shop's own files: a tmpfs this process mounts.
+            Scenario::DiskFull => backend == Backend::Sqlite,
             _ => true,
         }
     }
@@ -138,6 +143,7 @@ async fn main() {
         Scenario::CrossTenant,
         Scenario::Abandon,
         Scenario::ConsumerKill9,
+        Scenario::DiskFull,
     ];
     let rabbitmq_ctl: Vec<String> = args
         .rabbitmq_ctl
@@ -158,9 +164,7 @@ async fn main() {
     for scenario in chosen {
         for &backend in &backends {
             if !scenario.runs_on(backend) {
-                println!(
-                    "faults: {scenario:?} on {backend}: not applicable (needs a database server)"
-                );
+                println!("faults: {scenario:?} on {backend}: not applicable");
                 continue;
             }
             let started = Instant::now();
@@ -198,6 +202,7 @@ async fn run(
         Scenario::Hostile => scenarios::hostile(env, backend).await,
         Scenario::CrossTenant => scenarios::cross_tenant(env, backend, args.trials).await,
         Scenario::Abandon => scenarios::abandon(env, backend, args.abandon_kills).await,
+        Scenario::DiskFull => disk_full::disk_full(env).await,
         Scenario::ConsumerKill9 => {
             for broker_restart in [false, true] {
                 let plan = consumer_kill9::Plan {

@@ -58,7 +58,7 @@ impl Env {
     }
 }
 
-fn as_strs(args: &[String]) -> Vec<&str> {
+pub(crate) fn as_strs(args: &[String]) -> Vec<&str> {
     args.iter().map(String::as_str).collect()
 }
 
@@ -149,7 +149,7 @@ fn merge(mut a: OpReport, b: OpReport) -> OpReport {
 }
 
 /// Workers that keep starting new logical purchases until `stop` is set.
-fn purchase_workers(
+pub(crate) fn purchase_workers(
     url: String,
     workers: usize,
     stop: Arc<AtomicBool>,
@@ -173,7 +173,9 @@ fn purchase_workers(
         .collect()
 }
 
-async fn collect(handles: Vec<tokio::task::JoinHandle<Vec<OpReport>>>) -> Result<Vec<OpReport>> {
+pub(crate) async fn collect(
+    handles: Vec<tokio::task::JoinHandle<Vec<OpReport>>>,
+) -> Result<Vec<OpReport>> {
     let mut ops = Vec::new();
     for handle in handles {
         ops.extend(handle.await?);
@@ -206,7 +208,11 @@ async fn recover(env: &Env, database_url: &str) -> Result<String> {
 
 /// Waits (bounded) until the shop's worker has settled every key, then checks the database and
 /// the clients' operations.
-async fn settle_and_check(env: &Env, database_url: &str, ops: &[OpReport]) -> Result<Verdict> {
+pub(crate) async fn settle_and_check(
+    env: &Env,
+    database_url: &str,
+    ops: &[OpReport],
+) -> Result<Verdict> {
     let db = Db::connect(database_url).await?;
     let (took, _) = wait_settled(&db, START_BALANCE_CENTS, env.settle_limit).await?;
     if took > Duration::from_secs(1) {
@@ -224,7 +230,7 @@ async fn settle_and_check(env: &Env, database_url: &str, ops: &[OpReport]) -> Re
     verdict
 }
 
-fn totals(ops: &[OpReport]) -> (usize, usize, usize, usize) {
+pub(crate) fn totals(ops: &[OpReport]) -> (usize, usize, usize, usize) {
     let requests = ops.iter().map(OpReport::requests).sum();
     let replays = ops.iter().map(|o| o.replays).sum();
     let transport = ops
@@ -238,7 +244,7 @@ fn totals(ops: &[OpReport]) -> (usize, usize, usize, usize) {
     (requests, replays, transport, unavailable)
 }
 
-fn print_verdict(name: &str, v: &Verdict) {
+pub(crate) fn print_verdict(name: &str, v: &Verdict) {
     println!(
         "faults: {name}: verdict: operations {}, executed once {}, settled failed {}, refused {}, needs_review {}, failed-retryable {}, pending {}, charges {}, refunded {}, duplicated {}",
         v.operations,

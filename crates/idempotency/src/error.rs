@@ -135,19 +135,41 @@ pub enum StoreError {
 }
 
 impl StoreError {
-    /// Whether the database could not be reached (pool timeout, refused or broken connection):
-    /// the service should answer 503 and never run the work unprotected.
+    /// Whether the database could not be reached (pool timeout, refused or broken connection)
+    /// or has no room to write (a full disk): the service should answer 503 and never run the
+    /// work unprotected. See [`is_unavailable_error`] for a bare `sqlx::Error`.
+    ///
+    /// ```
+    /// use idempotency::StoreError;
+    /// assert!(StoreError::Database(sqlx::Error::PoolTimedOut).is_unavailable());
+    /// assert!(!StoreError::Database(sqlx::Error::RowNotFound).is_unavailable());
+    /// ```
     pub fn is_unavailable(&self) -> bool {
-        matches!(
-            self,
-            StoreError::Database(
-                sqlx::Error::PoolTimedOut
-                    | sqlx::Error::PoolClosed
-                    | sqlx::Error::Io(_)
-                    | sqlx::Error::Tls(_)
-                    | sqlx::Error::WorkerCrashed
-            )
-        )
+        matches!(self, StoreError::Database(error) if is_unavailable_error(error))
+    }
+}
+
+/// Whether a database error means "not now" rather than "never": the database could not be
+/// reached (pool timeout, refused or broken connection, crashed SQLite worker), or it has no
+/// room to write (SQLite `SQLITE_FULL`, PostgreSQL `disk_full` 53100; MariaDB reports a full
+/// disk with the generic SQLSTATE `HY000`, so it is not recognised). A retry may succeed once
+/// it is back.
+///
+/// ```
+/// assert!(idempotency::is_unavailable_error(&sqlx::Error::PoolClosed));
+/// assert!(!idempotency::is_unavailable_error(&sqlx::Error::RowNotFound));
+/// ```
+pub fn is_unavailable_error(error: &sqlx::Error) -> bool {
+    match error {
+        sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::Io(_)
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::WorkerCrashed => true,
+        sqlx::Error::Database(db) => {
+            matches!(db.code().as_deref(), Some("13" | "53100"))
+        }
+        _ => false,
     }
 }
 

@@ -23,7 +23,7 @@ pub use consumer::{
     Consumer, DeadLetter, Decision, FailureKind, InvalidMessage, Message, MAX_MESSAGE_TYPE_LEN,
 };
 pub use disposition::Disposition;
-pub use error::{BoxError, Error, PerformError, StepError, StoreError};
+pub use error::{is_unavailable_error, BoxError, Error, PerformError, StepError, StoreError};
 pub use fingerprint::{canonical_json, Fingerprint, FingerprintBuilder};
 pub use key::{IdempotencyKey, InvalidKey, KeyPart, MAX_PART_LEN};
 pub use lease::Lease;

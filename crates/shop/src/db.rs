@@ -10,7 +10,7 @@ use sqlx::{
     postgres::PgPoolOptions,
     postgres::PgRow,
     sqlite::SqliteRow,
-    sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous},
+    sqlite::{SqliteConnectOptions, SqliteJournalMode, SqliteSynchronous},
     Arguments, Database, Encode, FromRow, PgConnection, PgPool, Postgres, Sqlite, SqliteConnection,
     SqlitePool, Transaction, Type,
 };
@@ -329,7 +329,8 @@ async fn sqlite_pool(path: &str, max: u32) -> anyhow::Result<SqlitePool> {
         .journal_mode(SqliteJournalMode::Wal)
         .synchronous(SqliteSynchronous::Normal)
         .busy_timeout(Duration::from_secs(30));
-    Ok(SqlitePoolOptions::new()
+    // Never reuse a connection whose transaction SQLite rolled back by itself (a full disk).
+    Ok(SqliteStore::pool_options()
         .max_connections(max)
         .connect_with(options)
         .await?)

@@ -63,15 +63,14 @@ pub trait ShopProblem: Sized {
         )
     }
 
-    /// 500 for a database failure, 503 when the database cannot be reached (details are logged,
-    /// not shown).
+    /// 500 for a database failure, 503 when the database cannot be reached or has no room to
+    /// write (`idempotency::is_unavailable_error`; details are logged, not shown).
     fn database(error: &sqlx::Error) -> Self {
         tracing::error!(%error, "database error");
-        let status = match error {
-            sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed | sqlx::Error::Io(_) => {
-                StatusCode::SERVICE_UNAVAILABLE
-            }
-            _ => StatusCode::INTERNAL_SERVER_ERROR,
+        let status = if idempotency::is_unavailable_error(error) {
+            StatusCode::SERVICE_UNAVAILABLE
+        } else {
+            StatusCode::INTERNAL_SERVER_ERROR
         };
         Self::shop(
             status,

@@ -8,6 +8,7 @@ use chrono::{DateTime, Utc};
 use sqlx::{
     sqlite::{
         SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteRow, SqliteSynchronous,
+        SqliteTransactionManager,
     },
     Row, Sqlite, SqlitePool, Transaction, TransactionManager,
 };
@@ -113,7 +114,7 @@ impl SqliteStore {
     /// Call it inside a Tokio runtime.
     pub fn new(pool: SqlitePool) -> Self {
         let options = (*pool.connect_options()).clone();
-        let writer = SqlitePoolOptions::new()
+        let writer = Self::pool_options()
             .max_connections(1)
             .acquire_timeout(Duration::from_secs(30))
             .connect_lazy_with(options);
@@ -127,11 +128,39 @@ impl SqliteStore {
             .journal_mode(SqliteJournalMode::Wal)
             .synchronous(SqliteSynchronous::Normal)
             .busy_timeout(Duration::from_secs(30));
-        let pool = SqlitePoolOptions::new()
+        let pool = Self::pool_options()
             .max_connections(8)
             .connect_with(options)
             .await?;
         Ok(Self::new(pool))
+    }
+
+    /// Pool options that never hand out a connection whose transaction state is broken: SQLite
+    /// rolls a transaction back by itself on some errors (`SQLITE_FULL` on a full disk, I/O
+    /// errors), sqlx's later `ROLLBACK` then fails, and sqlx goes on believing the connection is
+    /// inside a transaction (its next `begin` opens a mere savepoint). Such a connection is
+    /// closed when it is released instead of being reused. [`connect`](Self::connect) and the
+    /// store's writer use these options; use them for your own SQLite pools too.
+    ///
+    /// ```
+    /// # async fn demo() -> Result<(), sqlx::Error> {
+    /// let pool = idempotency::SqliteStore::pool_options()
+    ///     .max_connections(4)
+    ///     .connect("sqlite::memory:")
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn pool_options() -> SqlitePoolOptions {
+        SqlitePoolOptions::new().after_release(|conn, _| {
+            Box::pin(async move {
+                if SqliteTransactionManager::get_transaction_depth(conn) == 0 {
+                    return Ok(true);
+                }
+                // A dropped transaction's ROLLBACK may still be queued: let it run, then look.
+                sqlx::Connection::ping(&mut *conn).await?;
+                Ok(SqliteTransactionManager::get_transaction_depth(conn) == 0)
+            })
+        })
     }
 
     /// The pool, for the application's own reads.
