@@ -43,15 +43,8 @@ mkdir -p /run/mysqld && chown mysql:mysql /run/mysqld
 if [ ! -d /var/lib/mysql/mysql ]; then
   mariadb-install-db --user=mysql --datadir=/var/lib/mysql >/dev/null
 fi
-if ! mariadb-admin --socket=/run/mysqld/mysqld.sock ping >/dev/null 2>&1; then
-  (mariadbd --user=mysql --datadir=/var/lib/mysql --socket=/run/mysqld/mysqld.sock \
-     --bind-address=127.0.0.1 --port=3306 --max-connections=500 \
-     --innodb-lock-wait-timeout=20 >/tmp/mariadbd.log 2>&1 &)
-  for _ in $(seq 1 120); do
-    mariadb-admin --socket=/run/mysqld/mysqld.sock ping >/dev/null 2>&1 && break
-    sleep 0.5
-  done
-fi
+# Started (and, by the fault proof, restarted) through one script: one command line.
+bash "$(dirname "${BASH_SOURCE[0]}")/mariadb-ctl.sh" start
 mariadb-admin --socket=/run/mysqld/mysqld.sock ping
 mariadb --socket=/run/mysqld/mysqld.sock <<'SQL'
 CREATE USER IF NOT EXISTS 'idem'@'127.0.0.1' IDENTIFIED BY 'idem';

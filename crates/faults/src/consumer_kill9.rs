@@ -36,7 +36,7 @@ use std::{
     },
     time::{Duration, Instant},
 };
-use tokio::process::{Child, Command};
+use tokio::process::Child;
 
 /// The shop's queue (`shop::outbox::PURCHASES_QUEUE`).
 const QUEUE: &str = "shop.purchases";
@@ -103,21 +103,7 @@ impl WorkerProcess {
 
 /// Runs `ctl … verb` (the RabbitMQ control command).
 async fn rabbitmq(ctl: &[String], verb: &str) -> Result<()> {
-    let (program, args) = ctl
-        .split_first()
-        .context("an empty RabbitMQ control command")?;
-    let out = Command::new(program)
-        .args(args)
-        .arg(verb)
-        .output()
-        .await
-        .with_context(|| format!("running {program}"))?;
-    ensure!(
-        out.status.success(),
-        "{} {verb} failed: {}",
-        ctl.join(" "),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    crate::command::run(ctl, &[verb]).await?;
     Ok(())
 }
 

@@ -1,13 +1,14 @@
-//! The run's tables, read straight from the databases: PostgreSQL (the shop's and the providers'
-//! tables in one database) or SQLite (the shop's file `FILE` and the providers' file
-//! `FILE.providers`).
+//! The run's tables, read straight from the databases: PostgreSQL or MariaDB (the shop's and
+//! the providers' tables in one database) or SQLite (the shop's file `FILE` and the providers'
+//! file `FILE.providers`).
 
 use anyhow::{bail, ensure, Context, Result};
 use serde_json::Value;
 use sqlx::{
+    mysql::MySqlPoolOptions,
     postgres::PgPoolOptions,
     sqlite::{SqliteConnectOptions, SqlitePoolOptions},
-    PgPool, SqlitePool,
+    MySqlPool, PgPool, SqlitePool,
 };
 use std::{str::FromStr, time::Duration};
 
@@ -23,6 +24,8 @@ pub enum Db {
         /// `FILE.providers`: `payment_provider_*`.
         providers: SqlitePool,
     },
+    /// MariaDB: every table in one database.
+    My(MySqlPool),
 }
 
 /// What step 1 of a purchase recorded in the key's journal.
@@ -115,6 +118,12 @@ type RawKey = (
 const KEYS: &str =
     "SELECT scope, operation, idem_key, state, result, progress, recovery_point, reason
                     FROM idempotency_keys";
+/// MariaDB keeps the key columns as `VARBINARY` and the others in binary collations, which
+/// sqlx reads as bytes: convert them to text.
+const MYSQL_KEYS: &str = "SELECT CONVERT(scope USING utf8mb4), CONVERT(operation USING utf8mb4),
+                    CONVERT(idem_key USING utf8mb4), CONVERT(state USING utf8mb4), result,
+                    progress, CONVERT(recovery_point USING utf8mb4), CONVERT(reason USING utf8mb4)
+                    FROM idempotency_keys";
 const USERS: &str = "SELECT id, balance_cents FROM shop_users";
 const ORDERS: &str = "SELECT id, user_id, amount_cents, status, charge_id FROM shop_orders";
 const PURCHASES: &str = "SELECT id, user_id, order_id FROM shop_purchases";
@@ -152,8 +161,8 @@ async fn sqlite_pool(path: &str) -> Result<SqlitePool> {
 }
 
 impl Db {
-    /// Connects to the databases of the shop URL `url` (`postgres://…` or `sqlite://FILE`; the
-    /// shop must have created them).
+    /// Connects to the databases of the shop URL `url` (`postgres://…`, `mysql://…` or
+    /// `sqlite://FILE`; the shop must have created them).
     pub async fn connect(url: &str) -> Result<Self> {
         if url.starts_with("postgres://") || url.starts_with("postgresql://") {
             let pool = PgPoolOptions::new()
@@ -163,6 +172,14 @@ impl Db {
                 .await
                 .with_context(|| format!("connecting to {url}"))?;
             Ok(Db::Pg(pool))
+        } else if url.starts_with("mysql://") {
+            let pool = MySqlPoolOptions::new()
+                .max_connections(2)
+                .acquire_timeout(Duration::from_secs(10))
+                .connect(url)
+                .await
+                .with_context(|| format!("connecting to {url}"))?;
+            Ok(Db::My(pool))
         } else if url.starts_with("sqlite:") {
             let path = sqlite_path(url)?;
             Ok(Db::Sqlite {
@@ -192,6 +209,14 @@ impl Db {
                 rows!(shop, (i64, String, i64), PURCHASES),
                 rows!(providers, (String, String, String, i64), CHARGES),
                 rows!(providers, (String, String, i64), REFUNDS),
+            ),
+            Db::My(pool) => (
+                rows!(pool, RawKey, MYSQL_KEYS),
+                rows!(pool, (String, i64), USERS),
+                rows!(pool, (i64, String, i64, String, Option<String>), ORDERS),
+                rows!(pool, (i64, String, i64), PURCHASES),
+                rows!(pool, (String, String, String, i64), CHARGES),
+                rows!(pool, (String, String, i64), REFUNDS),
             ),
         };
         Ok(Snapshot {
@@ -235,13 +260,17 @@ impl Db {
                 sqlx::query_scalar(keys).fetch_one(shop).await?,
                 sqlx::query_scalar(orders).fetch_one(shop).await?,
             ),
+            Db::My(pool) => (
+                sqlx::query_scalar(keys).fetch_one(pool).await?,
+                sqlx::query_scalar(orders).fetch_one(pool).await?,
+            ),
         })
     }
 
     /// SQLite: `PRAGMA integrity_check` of the shop's file and the providers' file must answer
     /// `ok` (nothing committed was lost or corrupted, e.g. by a SIGKILL amid writes, which WAL
-    /// recovery must repair on the next open). PostgreSQL: nothing to check here. Says whether
-    /// it checked.
+    /// recovery must repair on the next open). PostgreSQL, MariaDB: nothing to check here. Says
+    /// whether it checked.
     pub async fn integrity_check(&self) -> Result<bool> {
         let Db::Sqlite { shop, providers } = self else {
             return Ok(false);
@@ -264,6 +293,7 @@ impl Db {
     pub async fn close(&self) {
         match self {
             Db::Pg(pool) => pool.close().await,
+            Db::My(pool) => pool.close().await,
             Db::Sqlite { shop, providers } => {
                 shop.close().await;
                 providers.close().await;

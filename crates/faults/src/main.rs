@@ -1,6 +1,7 @@
-//! `faults`: the fault proof of the demo shop on a real PostgreSQL and on SQLite
-//! (`--backend`; `lost-ack`, `db-restart` and `consumer-kill9` need a database server and run on
-//! PostgreSQL only; `consumer-kill9` also needs RabbitMQ at `TEST_AMQP_URL`). Each scenario
+//! `faults`: the fault proof of the demo shop on a real PostgreSQL, a real MariaDB and SQLite
+//! (`--backend`; `lost-ack` and `db-restart` need a database server and run on PostgreSQL and
+//! MariaDB; `consumer-kill9` runs its shop on PostgreSQL and needs RabbitMQ at `TEST_AMQP_URL`;
+//! `disk-full` runs on SQLite and needs root to mount a tmpfs). Each scenario
 //! starts real `shop` processes, injects a fault, lets the shop's worker settle what the clients
 //! left, and checks from the databases that nothing was charged twice, no key was lost or left
 //! pending, every charge belongs to a paid order or was refunded, and (SQLite) `PRAGMA
@@ -11,10 +12,12 @@
 //! TEST_POSTGRES_URL=postgres://idem:idem@127.0.0.1/idem target/release/faults \
 //!     --shop-bin target/release/shop --idem-bin target/release/idem --backend postgres
 //! target/release/faults --backend sqlite
+//! TEST_MYSQL_URL=mysql://idem:idem@127.0.0.1/idem target/release/faults --backend mysql
 //! ```
 
 mod checks;
 mod client;
+mod command;
 mod consumer_kill9;
 mod db;
 mod disk_full;
@@ -47,9 +50,8 @@ impl Scenario {
     /// a full disk is made under the SQLite files.
     fn runs_on(self, backend: Backend) -> bool {
         match self {
-            Scenario::LostAck | Scenario::DbRestart | Scenario::ConsumerKill9 => {
-                backend == Backend::Postgres
-            }
+            Scenario::LostAck | Scenario::DbRestart => backend.is_server(),
+            Scenario::ConsumerKill9 => backend == Backend::Postgres,
             // A full disk under the shop's own files: a tmpfs this process mounts.
             Scenario::DiskFull => backend == Backend::Sqlite,
             _ => true,
@@ -59,7 +61,7 @@ impl Scenario {
 
 /// Fault proof: kill -9, lost COMMIT acknowledgements, database restarts, slow workers, hostile
 /// input, cross-tenant keys and abandoned purchases, against real `shop` processes on PostgreSQL
-/// (TEST_POSTGRES_URL) and SQLite.
+/// (TEST_POSTGRES_URL), MariaDB (TEST_MYSQL_URL) and SQLite.
 #[derive(Debug, Parser)]
 struct Args {
     /// The `shop` binary.
@@ -71,7 +73,7 @@ struct Args {
     /// Scenarios to run (default: all).
     #[arg(long, value_enum, value_delimiter = ',')]
     only: Vec<Scenario>,
-    /// Backends to run them on (default: postgres and sqlite). A scenario that needs a
+    /// Backends to run them on (default: postgres, mysql and sqlite). A scenario that needs a
     /// database server is not run on SQLite.
     #[arg(long, value_enum, value_delimiter = ',')]
     backend: Vec<Backend>,
@@ -115,6 +117,14 @@ struct Args {
     /// (default: `pg_ctlcluster --skip-systemctl-redirect $PG_VERSION main`).
     #[arg(long, env = "FAULTS_POSTGRES_CTL")]
     postgres_ctl: Option<String>,
+    /// Command controlling MariaDB, split on spaces; `stop` / `start` are appended (CI starts
+    /// MariaDB without systemd, through this script).
+    #[arg(
+        long,
+        env = "FAULTS_MYSQL_CTL",
+        default_value = "bash .ci/mariadb-ctl.sh"
+    )]
+    mysql_ctl: String,
 }
 
 #[tokio::main]
@@ -128,7 +138,8 @@ async fn main() {
     let env = scenarios::Env {
         shop_bin: args.shop_bin.clone(),
         idem_bin: args.idem_bin.clone(),
-        postgres_ctl: ctl.split_whitespace().map(str::to_owned).collect(),
+        postgres_ctl: command::words(&ctl),
+        mysql_ctl: command::words(&args.mysql_ctl),
         lease_ms: args.lease_ms,
         worker_interval_ms: args.worker_interval_ms,
         settle_limit: Duration::from_secs(args.settle_limit_secs),
@@ -145,18 +156,14 @@ async fn main() {
         Scenario::ConsumerKill9,
         Scenario::DiskFull,
     ];
-    let rabbitmq_ctl: Vec<String> = args
-        .rabbitmq_ctl
-        .split_whitespace()
-        .map(str::to_owned)
-        .collect();
+    let rabbitmq_ctl = command::words(&args.rabbitmq_ctl);
     let chosen: Vec<Scenario> = if args.only.is_empty() {
         all.to_vec()
     } else {
         args.only.clone()
     };
     let backends: Vec<Backend> = if args.backend.is_empty() {
-        vec![Backend::Postgres, Backend::Sqlite]
+        vec![Backend::Postgres, Backend::Mysql, Backend::Sqlite]
     } else {
         args.backend.clone()
     };
@@ -196,8 +203,8 @@ async fn run(
 ) -> anyhow::Result<()> {
     match scenario {
         Scenario::Kill9 => scenarios::kill9(env, backend, args.kills).await,
-        Scenario::LostAck => scenarios::lost_ack(env, args.trials).await,
-        Scenario::DbRestart => scenarios::db_restart(env).await,
+        Scenario::LostAck => scenarios::lost_ack(env, backend, args.trials).await,
+        Scenario::DbRestart => scenarios::db_restart(env, backend).await,
         Scenario::SlowWorker => scenarios::slow_worker(env, backend, args.trials.min(5)).await,
         Scenario::Hostile => scenarios::hostile(env, backend).await,
         Scenario::CrossTenant => scenarios::cross_tenant(env, backend, args.trials).await,

@@ -1,11 +1,13 @@
 //! The fault scenarios. Each runs on a fresh database of the backend it is given (a PostgreSQL
-//! database, or a SQLite file in a temporary folder; `lost-ack` and `db-restart` need a database
-//! server and run on PostgreSQL), prints its counts, and fails on any duplicated charge, lost
-//! key, unsettled key, unclear answer or (SQLite) a failed `PRAGMA integrity_check`.
+//! or MariaDB database, or a SQLite file in a temporary folder; `lost-ack` and `db-restart` need
+//! a database server and run on PostgreSQL and MariaDB), prints its counts, and fails on any
+//! duplicated charge, lost key, unsettled key, unclear answer or (SQLite) a failed
+//! `PRAGMA integrity_check`.
 
 use crate::{
     checks::{check, wait_settled, Verdict},
     client::{purchase_until_settled, OpReport, Settled},
+    command,
     db::Db,
     shop_process::ShopProcess,
 };
@@ -21,6 +23,7 @@ use std::{
     },
     time::{Duration, Instant},
 };
+use test_support::proxy::{FaultProxy, Protocol};
 use tokio::sync::Mutex;
 
 /// Every user starts with this balance (the shop's `START_BALANCE_CENTS`).
@@ -35,6 +38,8 @@ pub struct Env {
     pub idem_bin: PathBuf,
     /// Command controlling the PostgreSQL server; `stop` and `start` are appended.
     pub postgres_ctl: Vec<String>,
+    /// Command controlling the MariaDB server; `stop` and `start` are appended.
+    pub mysql_ctl: Vec<String>,
     /// Lease given to the shop, in milliseconds.
     pub lease_ms: u64,
     /// Pause between the shop's maintenance worker passes, in milliseconds.
@@ -62,12 +67,6 @@ pub(crate) fn as_strs(args: &[String]) -> Vec<&str> {
     args.iter().map(String::as_str).collect()
 }
 
-async fn fresh_postgres() -> Result<String> {
-    test_support::fresh_postgres_url()
-        .await
-        .context("TEST_POSTGRES_URL must name the PostgreSQL server")
-}
-
 /// Where a scenario keeps the shop's tables.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Backend {
@@ -75,6 +74,45 @@ pub enum Backend {
     Postgres,
     /// A SQLite file in a temporary folder (the shop's embedded default).
     Sqlite,
+    /// A fresh MariaDB database on the server of `TEST_MYSQL_URL`.
+    Mysql,
+}
+
+impl Backend {
+    /// Whether the backend is a database server (which can restart, and whose COMMIT reply
+    /// can be lost on the network).
+    pub fn is_server(self) -> bool {
+        self != Backend::Sqlite
+    }
+
+    /// A fresh database on this backend's server.
+    async fn fresh_server_database(self) -> Result<String> {
+        match self {
+            Backend::Postgres => test_support::fresh_postgres_url()
+                .await
+                .context("TEST_POSTGRES_URL must name the PostgreSQL server"),
+            Backend::Mysql => test_support::fresh_mysql_url()
+                .await
+                .context("TEST_MYSQL_URL must name the MariaDB server"),
+            Backend::Sqlite => bail!("SQLite has no server"),
+        }
+    }
+
+    /// The wire protocol of this backend's server, for the fault proxy.
+    fn protocol(self) -> Protocol {
+        match self {
+            Backend::Mysql => Protocol::Mysql,
+            _ => Protocol::Postgres,
+        }
+    }
+
+    /// The command controlling this backend's server.
+    fn ctl(self, env: &Env) -> &[String] {
+        match self {
+            Backend::Mysql => &env.mysql_ctl,
+            _ => &env.postgres_ctl,
+        }
+    }
 }
 
 impl std::fmt::Display for Backend {
@@ -82,6 +120,7 @@ impl std::fmt::Display for Backend {
         f.write_str(match self {
             Backend::Postgres => "postgres",
             Backend::Sqlite => "sqlite",
+            Backend::Mysql => "mysql",
         })
     }
 }
@@ -97,8 +136,8 @@ pub struct FreshDatabase {
 impl FreshDatabase {
     async fn new(backend: Backend) -> Result<Self> {
         Ok(match backend {
-            Backend::Postgres => FreshDatabase {
-                url: fresh_postgres().await?,
+            Backend::Postgres | Backend::Mysql => FreshDatabase {
+                url: backend.fresh_server_database().await?,
                 scratch: None,
             },
             Backend::Sqlite => {
@@ -231,17 +270,63 @@ pub(crate) async fn settle_and_check(
 }
 
 pub(crate) fn totals(ops: &[OpReport]) -> (usize, usize, usize, usize) {
-    let requests = ops.iter().map(OpReport::requests).sum();
-    let replays = ops.iter().map(|o| o.replays).sum();
-    let transport = ops
-        .iter()
-        .map(|o| o.statuses.get(&0).copied().unwrap_or(0))
-        .sum();
-    let unavailable = ops
-        .iter()
-        .map(|o| o.statuses.get(&503).copied().unwrap_or(0))
-        .sum();
-    (requests, replays, transport, unavailable)
+    let outage = Outage::of(ops);
+    (
+        outage.requests,
+        outage.replays,
+        outage.transport,
+        outage.unavailable,
+    )
+}
+
+/// What the clients saw during an outage (a database restart, a full disk).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Outage {
+    requests: usize,
+    replays: usize,
+    /// Requests that got no answer at all.
+    transport: usize,
+    /// 503 answers.
+    unavailable: usize,
+    /// 5xx answers without a problem JSON body.
+    bare: usize,
+}
+
+impl Outage {
+    pub(crate) fn of(ops: &[OpReport]) -> Self {
+        let count = |status: u16| -> usize {
+            ops.iter()
+                .map(|o| o.statuses.get(&status).copied().unwrap_or(0))
+                .sum()
+        };
+        Outage {
+            requests: ops.iter().map(OpReport::requests).sum(),
+            replays: ops.iter().map(|o| o.replays).sum(),
+            transport: count(0),
+            unavailable: count(503),
+            bare: ops.iter().map(|o| o.bare_5xx).sum(),
+        }
+    }
+
+    /// Fails unless some request saw the outage (`what`), and every 5xx was problem JSON.
+    pub(crate) fn ensure_seen_and_explained(&self, what: &str) -> Result<()> {
+        ensure!(
+            self.unavailable > 0,
+            "no request saw {what}: the fault was not exercised"
+        );
+        ensure!(self.bare == 0, "every 5xx must be application/problem+json");
+        Ok(())
+    }
+}
+
+impl std::fmt::Display for Outage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} requests, {} answered 503, {} transport errors, {} 5xx without problem JSON, {} replays",
+            self.requests, self.unavailable, self.transport, self.bare, self.replays
+        )
+    }
 }
 
 pub(crate) fn print_verdict(name: &str, v: &Verdict) {
@@ -318,16 +403,17 @@ pub async fn kill9(env: &Env, backend: Backend, kills: usize) -> Result<()> {
     Ok(())
 }
 
-/// A proxy cuts the connection right after forwarding the business COMMIT, before its reply.
-pub async fn lost_ack(env: &Env, trials: usize) -> Result<()> {
-    let db = fresh_postgres().await?;
-    let options: sqlx::postgres::PgConnectOptions = db.parse()?;
-    let upstream = tokio::net::lookup_host((options.get_host().to_owned(), options.get_port()))
+/// A proxy cuts the connection right after forwarding the business COMMIT, before its reply
+/// (PostgreSQL's protocol or MariaDB's).
+pub async fn lost_ack(env: &Env, backend: Backend, trials: usize) -> Result<()> {
+    let db = backend.fresh_server_database().await?;
+    let (server, proxied_at) = server_address(&db)?;
+    let upstream = tokio::net::lookup_host(server)
         .await?
         .next()
         .context("resolve the database host")?;
-    let proxy = test_support::proxy::FaultProxy::start(upstream).await;
-    let proxied = proxied_url(&db, proxy.addr().port());
+    let proxy = FaultProxy::start_for(upstream, backend.protocol()).await;
+    let proxied = proxied_at(proxy.addr().port());
     let shop = ShopProcess::start(&env.shop_bin, &proxied, &as_strs(&env.shop_args())).await?;
     let http = reqwest::Client::new();
     let mut ops = Vec::new();
@@ -388,32 +474,41 @@ pub async fn lost_ack(env: &Env, trials: usize) -> Result<()> {
     Ok(())
 }
 
-fn proxied_url(db: &str, port: u16) -> String {
-    let options: sqlx::postgres::PgConnectOptions = db.parse().expect("database url");
-    let database = options.get_database().unwrap_or("postgres").to_owned();
-    let user = options.get_username().to_owned();
-    // The password is in the original URL; keep everything after '@' replaced.
-    let password = db
-        .split("://")
-        .nth(1)
-        .and_then(|rest| rest.split('@').next())
-        .and_then(|userinfo| userinfo.split_once(':').map(|(_, p)| p.to_owned()))
-        .unwrap_or_default();
-    format!("postgres://{user}:{password}@127.0.0.1:{port}/{database}?sslmode=disable")
+/// The `host:port` of a server URL (`scheme://user:pass@host:port/db?…`), and the same URL
+/// pointed at a local port instead, without TLS (for the fault proxy).
+fn server_address(db: &str) -> Result<(String, impl Fn(u16) -> String + '_)> {
+    let (scheme, rest) = db.split_once("://").context("a URL")?;
+    let (userinfo, rest) = rest.rsplit_once('@').context("a URL with a user")?;
+    let (server, path) = rest.split_once('/').context("a URL with a database")?;
+    let database = path.split('?').next().unwrap_or(path);
+    let default_port = if scheme == "mysql" { 3306 } else { 5432 };
+    let server = if server.contains(':') {
+        server.to_owned()
+    } else {
+        format!("{server}:{default_port}")
+    };
+    let no_tls = if scheme == "mysql" {
+        "ssl-mode=disabled"
+    } else {
+        "sslmode=disable"
+    };
+    let proxied =
+        move |port: u16| format!("{scheme}://{userinfo}@127.0.0.1:{port}/{database}?{no_tls}");
+    Ok((server, proxied))
 }
 
-/// PostgreSQL restarts mid-storm: answers are 503 problem JSON meanwhile, the shop recovers by
-/// itself, and the invariants hold.
-pub async fn db_restart(env: &Env) -> Result<()> {
-    let db = fresh_postgres().await?;
+/// The database server (PostgreSQL or MariaDB) restarts mid-storm: answers are 503 problem JSON
+/// meanwhile, the shop recovers by itself, and the invariants hold.
+pub async fn db_restart(env: &Env, backend: Backend) -> Result<()> {
+    let db = backend.fresh_server_database().await?;
     let mut shop = ShopProcess::start(&env.shop_bin, &db, &as_strs(&env.shop_args())).await?;
     let stop = Arc::new(AtomicBool::new(false));
     let workers = purchase_workers(shop.url(), 6, stop.clone());
     tokio::time::sleep(Duration::from_secs(2)).await;
     let down = Instant::now();
-    postgres_ctl(env, "stop").await?;
+    command::run(backend.ctl(env), &["stop"]).await?;
     tokio::time::sleep(Duration::from_secs(5)).await; // longer than the shop's 3 s acquire timeout
-    postgres_ctl(env, "start").await?;
+    command::run(backend.ctl(env), &["start"]).await?;
     let restart_took = down.elapsed();
     tokio::time::sleep(Duration::from_secs(3)).await;
     stop.store(true, Ordering::SeqCst);
@@ -423,30 +518,14 @@ pub async fn db_restart(env: &Env) -> Result<()> {
     ensure!(!shop.panicked(), "the shop panicked");
     let verdict = settle_and_check(env, &db, &ops).await?;
     let recovered = recover(env, &db).await?;
-    let (requests, replays, transport, unavailable) = totals(&ops);
-    let bare: usize = ops.iter().map(|o| o.bare_5xx).sum();
+    let outage = Outage::of(&ops);
     println!(
-        "faults: db-restart: database down for {:.1}s, {} operations, {requests} requests, {unavailable} answered 503, {transport} transport errors, {bare} 5xx without problem JSON, {replays} replays; then idem recover: {recovered}",
+        "faults: db-restart: database down for {:.1}s, {} operations, {outage}; then idem recover: {recovered}",
         restart_took.as_secs_f64(),
         ops.len()
     );
     print_verdict("db-restart", &verdict);
-    ensure!(
-        unavailable > 0,
-        "no request saw the outage: the restart was not exercised"
-    );
-    ensure!(bare == 0, "every 5xx must be application/problem+json");
-    Ok(())
-}
-
-async fn postgres_ctl(env: &Env, action: &str) -> Result<()> {
-    let status = tokio::process::Command::new(&env.postgres_ctl[0])
-        .args(&env.postgres_ctl[1..])
-        .arg(action)
-        .status()
-        .await?;
-    ensure!(status.success(), "{:?} {action} failed", env.postgres_ctl);
-    Ok(())
+    outage.ensure_seen_and_explained("the restart")
 }
 
 /// A handler stalls past its lease while a retry takes the key over: the stale worker's commit

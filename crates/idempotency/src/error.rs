@@ -150,10 +150,11 @@ impl StoreError {
 }
 
 /// Whether a database error means "not now" rather than "never": the database could not be
-/// reached (pool timeout, refused or broken connection, crashed SQLite worker), or it has no
+/// reached (pool timeout, refused or broken connection, crashed SQLite worker), it has no
 /// room to write (SQLite `SQLITE_FULL`, PostgreSQL `disk_full` 53100; MariaDB reports a full
-/// disk with the generic SQLSTATE `HY000`, so it is not recognised). A retry may succeed once
-/// it is back.
+/// disk with the generic SQLSTATE `HY000`, so it is not recognised), or it rolled the
+/// transaction back to break a deadlock or a serialization conflict (SQLSTATE 40001, which
+/// MariaDB's deadlock 1213 also reports, and PostgreSQL's 40P01). A retry may succeed.
 ///
 /// ```
 /// assert!(idempotency::is_unavailable_error(&sqlx::Error::PoolClosed));
@@ -167,7 +168,10 @@ pub fn is_unavailable_error(error: &sqlx::Error) -> bool {
         | sqlx::Error::Tls(_)
         | sqlx::Error::WorkerCrashed => true,
         sqlx::Error::Database(db) => {
-            matches!(db.code().as_deref(), Some("13" | "53100"))
+            matches!(
+                db.code().as_deref(),
+                Some("13" | "53100" | "40001" | "40P01")
+            )
         }
         _ => false,
     }

@@ -1,27 +1,35 @@
 //! The shop's databases: the idempotency store and the shop's tables on one pool, and the
 //! simulated providers on a pool of their own (they stand for outside services).
 //!
-//! The same SQL text runs on PostgreSQL and SQLite (`$1` placeholders work on both): every
-//! statement goes through [`Conn`], the one place that dispatches on the backend.
+//! The same SQL text runs on PostgreSQL, SQLite and MariaDB: `$1` placeholders work on the first
+//! two and become `?` on MariaDB, and the few statements MariaDB spells differently carry that
+//! spelling too ([`Sql::on_mysql`]). Every statement goes through [`Conn`], the one place that
+//! dispatches on the backend.
 
 use anyhow::{bail, Context};
-use idempotency::{PgStore, SqliteStore, Store};
+use idempotency::{MySqlStore, PgStore, SqliteStore, Store};
 use sqlx::{
+    mysql::{MySqlPoolOptions, MySqlRow},
     postgres::PgPoolOptions,
     postgres::PgRow,
     sqlite::SqliteRow,
     sqlite::{SqliteConnectOptions, SqliteJournalMode, SqliteSynchronous},
-    Arguments, Database, Encode, FromRow, PgConnection, PgPool, Postgres, Sqlite, SqliteConnection,
-    SqlitePool, Transaction, Type,
+    Arguments, Database, Encode, FromRow, MySql, MySqlConnection, MySqlPool, PgConnection, PgPool,
+    Postgres, Sqlite, SqliteConnection, SqlitePool, Transaction, Type,
 };
 use std::{str::FromStr, time::Duration};
 
 /// Lock id for `pg_advisory_xact_lock` while the shop migrates ("shop" in ASCII).
 const SHOP_MIGRATION_LOCK: i64 = 0x7368_6f70;
 
-/// A borrowed connection of either backend (a pool connection or a transaction): the one way
-/// the shop runs a statement. Write the SQL once ([`sql`]; `$1` placeholders work on both
-/// backends) and run it with [`execute`](Self::execute), [`fetch_one`](Self::fetch_one),
+/// MariaDB: the `GET_LOCK` name serialising the shop's migrations of one database (lock names
+/// are server-wide), and how long a process waits for another's, in seconds.
+const MYSQL_MIGRATION_LOCK: &str = "CONCAT('shop_migrate_', MD5(COALESCE(DATABASE(), '')))";
+const MYSQL_MIGRATION_LOCK_SECS: i64 = 60;
+
+/// A borrowed connection of any backend (a pool connection or a transaction): the one way the
+/// shop runs a statement. Write the SQL once ([`sql`]; `$1` placeholders, turned into `?` on
+/// MariaDB) and run it with [`execute`](Self::execute), [`fetch_one`](Self::fetch_one),
 /// [`fetch_optional`](Self::fetch_optional), [`fetch_all`](Self::fetch_all) or
 /// [`scalar`](Self::scalar); each matches on the backend once.
 #[derive(Debug)]
@@ -30,13 +38,28 @@ pub enum Conn<'a> {
     Pg(&'a mut PgConnection),
     /// SQLite.
     Sqlite(&'a mut SqliteConnection),
+    /// MariaDB (or MySQL).
+    My(&'a mut MySqlConnection),
 }
 
-/// A row type both backends decode (`#[derive(sqlx::FromRow)]` structs and tuples).
-pub trait Row: for<'r> FromRow<'r, PgRow> + for<'r> FromRow<'r, SqliteRow> + Send + Unpin {}
+/// A row type every backend decodes (`#[derive(sqlx::FromRow)]` structs and tuples).
+pub trait Row:
+    for<'r> FromRow<'r, PgRow>
+    + for<'r> FromRow<'r, SqliteRow>
+    + for<'r> FromRow<'r, MySqlRow>
+    + Send
+    + Unpin
+{
+}
 
-impl<T> Row for T where T: for<'r> FromRow<'r, PgRow> + for<'r> FromRow<'r, SqliteRow> + Send + Unpin
-{}
+impl<T> Row for T where
+    T: for<'r> FromRow<'r, PgRow>
+        + for<'r> FromRow<'r, SqliteRow>
+        + for<'r> FromRow<'r, MySqlRow>
+        + Send
+        + Unpin
+{
+}
 
 /// One argument of a [`Sql`] statement (made by `From` from integers and strings).
 #[derive(Debug, Clone)]
@@ -81,6 +104,7 @@ impl From<String> for Arg {
 #[derive(Debug, Clone)]
 pub struct Sql<'q> {
     text: &'q str,
+    mysql_text: Option<&'q str>,
     args: Vec<Arg>,
 }
 
@@ -88,14 +112,22 @@ pub struct Sql<'q> {
 pub fn sql(text: &str) -> Sql<'_> {
     Sql {
         text,
+        mysql_text: None,
         args: Vec::new(),
     }
 }
 
 impl<'q> Sql<'q> {
-    /// Binds the next `$n` placeholder.
+    /// Binds `$n`, for the next `n` (a placeholder may appear more than once).
     pub fn bind(mut self, value: impl Into<Arg>) -> Self {
         self.args.push(value.into());
+        self
+    }
+
+    /// How MariaDB spells the same statement (still with `$n` placeholders), where it differs:
+    /// `INSERT IGNORE` for `ON CONFLICT DO NOTHING`, `SIGNED` for `BIGINT` in a `CAST`.
+    pub fn on_mysql(mut self, text: &'q str) -> Self {
+        self.mysql_text = Some(text);
         self
     }
 
@@ -104,16 +136,68 @@ impl<'q> Sql<'q> {
         i64: for<'e> Encode<'e, DB> + Type<DB>,
         String: for<'e> Encode<'e, DB> + Type<DB>,
     {
-        let mut arguments = <DB as Database>::Arguments::default();
-        for arg in &self.args {
-            match arg {
-                Arg::Int(value) => arguments.add(*value),
-                Arg::Text(value) => arguments.add(value.clone()),
-            }
-            .map_err(sqlx::Error::Encode)?;
-        }
-        Ok(arguments)
+        arguments::<DB>(self.args.iter())
     }
+
+    /// The MariaDB text, its `$n` placeholders turned into `?`, and the arguments in the order
+    /// of the `?`s (`$2 … $1 … $2` binds the second, the first, then the second again).
+    fn for_mysql(&self) -> Result<(String, <MySql as Database>::Arguments<'q>), sqlx::Error> {
+        let (text, order) = positional(self.mysql_text.unwrap_or(self.text));
+        let args = order
+            .iter()
+            .map(|n| {
+                self.args.get(n.wrapping_sub(1)).ok_or_else(|| {
+                    sqlx::Error::Protocol(format!("${n} has no bound argument in {text}"))
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok((text, arguments::<MySql>(args.into_iter())?))
+    }
+}
+
+fn arguments<'q, 'a, DB: Database>(
+    args: impl Iterator<Item = &'a Arg>,
+) -> Result<<DB as Database>::Arguments<'q>, sqlx::Error>
+where
+    i64: for<'e> Encode<'e, DB> + Type<DB>,
+    String: for<'e> Encode<'e, DB> + Type<DB>,
+{
+    let mut arguments = <DB as Database>::Arguments::default();
+    for arg in args {
+        match arg {
+            Arg::Int(value) => arguments.add(*value),
+            Arg::Text(value) => arguments.add(value.clone()),
+        }
+        .map_err(sqlx::Error::Encode)?;
+    }
+    Ok(arguments)
+}
+
+/// `$n` placeholders to `?`: the new text and the `n` of each `?` in order. (The shop's SQL has
+/// no `$` inside string literals.)
+fn positional(text: &str) -> (String, Vec<usize>) {
+    let mut out = String::with_capacity(text.len());
+    let mut order = Vec::new();
+    let mut chars = text.char_indices().peekable();
+    while let Some((_, c)) = chars.next() {
+        if c != '$' {
+            out.push(c);
+            continue;
+        }
+        let mut n = String::new();
+        while let Some(&(_, d)) = chars.peek().filter(|(_, d)| d.is_ascii_digit()) {
+            n.push(d);
+            chars.next();
+        }
+        match n.parse::<usize>() {
+            Ok(n) => {
+                out.push('?');
+                order.push(n);
+            }
+            Err(_) => out.push('$'),
+        }
+    }
+    (out, order)
 }
 
 impl Conn<'_> {
@@ -122,6 +206,7 @@ impl Conn<'_> {
         match self {
             Conn::Pg(c) => Conn::Pg(c),
             Conn::Sqlite(c) => Conn::Sqlite(c),
+            Conn::My(c) => Conn::My(c),
         }
     }
 
@@ -136,6 +221,13 @@ impl Conn<'_> {
                 .execute(&mut **c)
                 .await?
                 .rows_affected(),
+            Conn::My(c) => {
+                let (text, arguments) = sql.for_mysql()?;
+                sqlx::query_with(&text, arguments)
+                    .execute(&mut **c)
+                    .await?
+                    .rows_affected()
+            }
         })
     }
 
@@ -149,6 +241,12 @@ impl Conn<'_> {
             }
             Conn::Sqlite(c) => {
                 sqlx::query_as_with(sql.text, sql.arguments::<Sqlite>()?)
+                    .fetch_one(&mut **c)
+                    .await
+            }
+            Conn::My(c) => {
+                let (text, arguments) = sql.for_mysql()?;
+                sqlx::query_as_with(&text, arguments)
                     .fetch_one(&mut **c)
                     .await
             }
@@ -168,6 +266,12 @@ impl Conn<'_> {
                     .fetch_optional(&mut **c)
                     .await
             }
+            Conn::My(c) => {
+                let (text, arguments) = sql.for_mysql()?;
+                sqlx::query_as_with(&text, arguments)
+                    .fetch_optional(&mut **c)
+                    .await
+            }
         }
     }
 
@@ -181,6 +285,12 @@ impl Conn<'_> {
             }
             Conn::Sqlite(c) => {
                 sqlx::query_as_with(sql.text, sql.arguments::<Sqlite>()?)
+                    .fetch_all(&mut **c)
+                    .await
+            }
+            Conn::My(c) => {
+                let (text, arguments) = sql.for_mysql()?;
+                sqlx::query_as_with(&text, arguments)
                     .fetch_all(&mut **c)
                     .await
             }
@@ -207,13 +317,15 @@ impl Conn<'_> {
     }
 }
 
-/// An open business transaction of either backend.
+/// An open business transaction of any backend.
 #[derive(Debug)]
 pub enum Tx {
     /// PostgreSQL.
     Pg(Transaction<'static, Postgres>),
     /// SQLite.
     Sqlite(Transaction<'static, Sqlite>),
+    /// MariaDB.
+    My(Transaction<'static, MySql>),
 }
 
 impl Tx {
@@ -222,6 +334,7 @@ impl Tx {
         match self {
             Tx::Pg(tx) => Conn::Pg(tx),
             Tx::Sqlite(tx) => Conn::Sqlite(tx),
+            Tx::My(tx) => Conn::My(tx),
         }
     }
 
@@ -230,6 +343,7 @@ impl Tx {
         match self {
             Tx::Pg(tx) => tx.commit().await,
             Tx::Sqlite(tx) => tx.commit().await,
+            Tx::My(tx) => tx.commit().await,
         }
     }
 
@@ -238,6 +352,7 @@ impl Tx {
         match self {
             Tx::Pg(tx) => tx.rollback().await,
             Tx::Sqlite(tx) => tx.rollback().await,
+            Tx::My(tx) => tx.rollback().await,
         }
     }
 }
@@ -261,6 +376,12 @@ impl StoreConn for SqliteStore {
     }
 }
 
+impl StoreConn for MySqlStore {
+    fn conn<'a>(tx: &'a mut Transaction<'static, MySql>) -> Conn<'a> {
+        Conn::My(tx)
+    }
+}
+
 /// The shop's database: the idempotency store, whose pool also holds the shop's tables.
 #[derive(Debug, Clone)]
 pub enum ShopDb {
@@ -268,6 +389,8 @@ pub enum ShopDb {
     Pg(PgStore),
     /// SQLite (the default, a file).
     Sqlite(SqliteStore),
+    /// MariaDB.
+    My(MySqlStore),
 }
 
 /// The simulated providers' database: a pool of its own, so a provider call never runs inside
@@ -278,6 +401,8 @@ pub enum ProviderDb {
     Pg(PgPool),
     /// A SQLite file of its own next to the shop's file.
     Sqlite(SqlitePool),
+    /// Tables in the shop's MariaDB database, reached through another pool.
+    My(MySqlPool),
 }
 
 /// Which database a URL names.
@@ -287,6 +412,8 @@ pub enum Kind {
     Postgres,
     /// `sqlite://` or `sqlite:`.
     Sqlite,
+    /// `mysql://` (MariaDB).
+    Mysql,
 }
 
 impl Kind {
@@ -296,16 +423,19 @@ impl Kind {
             Ok(Kind::Postgres)
         } else if url.starts_with("sqlite:") {
             Ok(Kind::Sqlite)
+        } else if url.starts_with("mysql://") {
+            Ok(Kind::Mysql)
         } else {
-            bail!("unsupported database URL {url:?}: use sqlite://FILE or postgres://USER:PASS@HOST/DB")
+            bail!("unsupported database URL {url:?}: use sqlite://FILE, postgres://USER:PASS@HOST/DB or mysql://USER:PASS@HOST/DB")
         }
     }
 
-    /// `"postgres"` or `"sqlite"`.
+    /// `"postgres"`, `"sqlite"` or `"mysql"`.
     pub fn name(self) -> &'static str {
         match self {
             Kind::Postgres => "postgres",
             Kind::Sqlite => "sqlite",
+            Kind::Mysql => "mysql",
         }
     }
 }
@@ -369,7 +499,58 @@ pub async fn connect(url: &str, max_connections: u32) -> anyhow::Result<(ShopDb,
                 ProviderDb::Sqlite(providers),
             ))
         }
+        Kind::Mysql => {
+            // As on PostgreSQL: fail fast while the server is down, no ping per checkout. And
+            // PostgreSQL's isolation, READ COMMITTED: a handler whose `INSERT IGNORE` met a row
+            // another transaction committed must then read that row, not an older snapshot
+            // (InnoDB's REPEATABLE READ would hide it).
+            let shop = MySqlPoolOptions::new()
+                .max_connections(max_connections)
+                .acquire_timeout(Duration::from_secs(3))
+                .test_before_acquire(false)
+                .after_connect(|conn, _| {
+                    Box::pin(async move {
+                        sqlx::query("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
+                            .execute(conn)
+                            .await
+                            .map(drop)
+                    })
+                })
+                .connect(url)
+                .await
+                .with_context(|| format!("connecting to {url}"))?;
+            let providers = MySqlPoolOptions::new()
+                .max_connections(max_connections.div_ceil(2).max(2))
+                .connect(url)
+                .await?;
+            Ok((ShopDb::My(MySqlStore::new(shop)), ProviderDb::My(providers)))
+        }
     }
+}
+
+/// MariaDB runs DDL outside transactions (each statement commits): the statements run on one
+/// connection holding a `GET_LOCK`, so that several processes may start at once.
+async fn mysql_migrate(pool: &MySqlPool, suffix: &str, sql: &str) -> anyhow::Result<()> {
+    let mut conn = pool.acquire().await?;
+    let lock = format!("CONCAT({MYSQL_MIGRATION_LOCK}, '{suffix}')");
+    let locked: Option<i64> = sqlx::query_scalar(&format!("SELECT GET_LOCK({lock}, ?)"))
+        .bind(MYSQL_MIGRATION_LOCK_SECS)
+        .fetch_one(&mut *conn)
+        .await?;
+    if locked != Some(1) {
+        bail!("another shop held the migration lock for {MYSQL_MIGRATION_LOCK_SECS} s");
+    }
+    let mut applied = Ok(());
+    for statement in statements(sql) {
+        if let Err(e) = sqlx::query(&statement).execute(&mut *conn).await {
+            applied = Err(anyhow::Error::new(e).context(statement));
+            break;
+        }
+    }
+    sqlx::query(&format!("DO RELEASE_LOCK({lock})"))
+        .execute(&mut *conn)
+        .await?;
+    applied
 }
 
 /// The statements of a migration file (comment lines dropped, split on `;`).
@@ -393,11 +574,13 @@ impl ShopDb {
         match self {
             ShopDb::Pg(_) => Kind::Postgres,
             ShopDb::Sqlite(_) => Kind::Sqlite,
+            ShopDb::My(_) => Kind::Mysql,
         }
     }
 
     /// Installs the idempotency crate's key table, then the shop's tables. Safe to run from
-    /// several processes at once (advisory lock on PostgreSQL, `BEGIN IMMEDIATE` on SQLite).
+    /// several processes at once (advisory lock on PostgreSQL, `BEGIN IMMEDIATE` on SQLite,
+    /// `GET_LOCK` on MariaDB).
     pub async fn migrate(&self) -> anyhow::Result<()> {
         match self {
             ShopDb::Pg(store) => {
@@ -428,6 +611,10 @@ impl ShopDb {
                 }
                 tx.commit().await?;
             }
+            ShopDb::My(store) => {
+                store.migrate().await.context("idempotency migrations")?;
+                mysql_migrate(store.pool(), "", include_str!("../migrations/mysql.sql")).await?;
+            }
         }
         Ok(())
     }
@@ -441,6 +628,7 @@ impl ShopDb {
             ShopDb::Sqlite(store) => {
                 Tx::Sqlite(store.writer().begin_with("BEGIN IMMEDIATE").await?)
             }
+            ShopDb::My(store) => Tx::My(store.pool().begin().await?),
         })
     }
 
@@ -449,17 +637,20 @@ impl ShopDb {
         Ok(match self {
             ShopDb::Pg(store) => ReadConn::Pg(store.pool().acquire().await?),
             ShopDb::Sqlite(store) => ReadConn::Sqlite(store.pool().acquire().await?),
+            ShopDb::My(store) => ReadConn::My(store.pool().acquire().await?),
         })
     }
 }
 
-/// A pooled connection of either backend.
+/// A pooled connection of any backend.
 #[derive(Debug)]
 pub enum ReadConn {
     /// PostgreSQL.
     Pg(sqlx::pool::PoolConnection<Postgres>),
     /// SQLite.
     Sqlite(sqlx::pool::PoolConnection<Sqlite>),
+    /// MariaDB.
+    My(sqlx::pool::PoolConnection<MySql>),
 }
 
 impl ReadConn {
@@ -468,6 +659,7 @@ impl ReadConn {
         match self {
             ReadConn::Pg(c) => Conn::Pg(c),
             ReadConn::Sqlite(c) => Conn::Sqlite(c),
+            ReadConn::My(c) => Conn::My(c),
         }
     }
 }
@@ -494,6 +686,10 @@ impl ProviderDb {
                 }
                 tx.commit().await?;
             }
+            ProviderDb::My(pool) => {
+                let sql = include_str!("../migrations/mysql_providers.sql");
+                mysql_migrate(pool, "_providers", sql).await?;
+            }
         }
         Ok(())
     }
@@ -503,6 +699,7 @@ impl ProviderDb {
         Ok(match self {
             ProviderDb::Pg(pool) => ReadConn::Pg(pool.acquire().await?),
             ProviderDb::Sqlite(pool) => ReadConn::Sqlite(pool.acquire().await?),
+            ProviderDb::My(pool) => ReadConn::My(pool.acquire().await?),
         })
     }
 }
@@ -520,7 +717,20 @@ mod tests {
         );
         assert!(sqlite_path("sqlite::memory:").is_err());
         assert_eq!(Kind::of_url("postgresql://h/db").unwrap(), Kind::Postgres);
-        assert!(Kind::of_url("mysql://h/db").is_err());
+        assert_eq!(Kind::of_url("mysql://h/db").unwrap(), Kind::Mysql);
+        assert!(Kind::of_url("mssql://h/db").is_err());
+    }
+
+    #[test]
+    fn placeholders_become_positional_on_mysql() {
+        let (text, order) = positional("UPDATE t SET b = b - $2 WHERE id = $1 AND b >= $2");
+        assert_eq!(text, "UPDATE t SET b = b - ? WHERE id = ? AND b >= ?");
+        assert_eq!(order, [2, 1, 2]);
+        let (text, order) = positional("SELECT $10, $ x");
+        assert_eq!((text.as_str(), order), ("SELECT ?, $ x", vec![10]));
+        let statement = sql("SELECT $2, $1").bind(7i64).bind("x");
+        assert!(statement.for_mysql().is_ok());
+        assert!(sql("SELECT $2").bind(7i64).for_mysql().is_err());
     }
 
     #[test]

@@ -38,6 +38,10 @@ async fn grant_points(mut conn: Conn<'_>, event: &PurchasePaid) -> Result<bool, 
                 "INSERT INTO shop_point_grants (order_id, user_id, points) VALUES ($1, $2, $3)
                  ON CONFLICT (order_id) DO NOTHING",
             )
+            .on_mysql(
+                "INSERT IGNORE INTO shop_point_grants (order_id, user_id, points)
+                 VALUES ($1, $2, $3)",
+            )
             .bind(event.order_id)
             .bind(&event.user_id)
             .bind(event.points()),

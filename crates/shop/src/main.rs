@@ -37,7 +37,8 @@ struct ServeArgs {
     /// Address to listen on (port 0 picks a free port; the address is printed).
     #[arg(long, default_value = "127.0.0.1:8080")]
     listen: String,
-    /// `sqlite://FILE` (created if missing) or `postgres://USER:PASS@HOST/DB`.
+    /// `sqlite://FILE` (created if missing), `postgres://USER:PASS@HOST/DB` or
+    /// `mysql://USER:PASS@HOST/DB` (MariaDB).
     #[arg(long, env = "SHOP_DATABASE_URL", default_value = "sqlite://shop.db")]
     database_url: String,
     /// Probability that a payment provider call fails (half of the failures after charging).

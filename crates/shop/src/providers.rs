@@ -95,6 +95,10 @@ impl PaymentProvider {
                      account, amount_cents)
                      VALUES ($1, $2, $3, $4) ON CONFLICT (provider_key) DO NOTHING",
                 )
+                .on_mysql(
+                    "INSERT IGNORE INTO payment_provider_charges (provider_key, charge_id,
+                     account, amount_cents) VALUES ($1, $2, $3, $4)",
+                )
                 .bind(provider_key)
                 .bind(&charge_id)
                 .bind(account)
@@ -158,6 +162,11 @@ impl PaymentProvider {
                  SELECT $1, charge_id, amount_cents FROM payment_provider_charges
                  WHERE charge_id = $2
                  ON CONFLICT DO NOTHING",
+            )
+            .on_mysql(
+                "INSERT IGNORE INTO payment_provider_refunds (refund_key, charge_id, amount_cents)
+                 SELECT $1, charge_id, amount_cents FROM payment_provider_charges
+                 WHERE charge_id = $2",
             );
             c.execute(refund.bind(refund_key).bind(charge_id)).await?;
             c.scalar_optional(

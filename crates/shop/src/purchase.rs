@@ -93,6 +93,12 @@ pub async fn ensure_user(conn: &mut Conn<'_>, user: &str) -> Result<(), sqlx::Er
     conn.execute(
         sql("INSERT INTO shop_users (id, balance_cents) VALUES ($1, $2)
              ON CONFLICT (id) DO NOTHING")
+        // Not INSERT IGNORE: its shared lock on an existing row, upgraded by the debit that
+        // follows, deadlocks two purchases of one user; this takes the exclusive lock at once.
+        .on_mysql(
+            "INSERT INTO shop_users (id, balance_cents) VALUES ($1, $2)
+             ON DUPLICATE KEY UPDATE id = id",
+        )
         .bind(user)
         .bind(START_BALANCE_CENTS),
     )

@@ -113,6 +113,7 @@ fn keyed(app: &App, route: KeyedRoute, handler: MethodRouter<App>) -> MethodRout
     match app.engine() {
         Engine::Pg(engine) => handler.layer(waiting(app, layer(engine.clone(), route))),
         Engine::Sqlite(engine) => handler.layer(waiting(app, layer(engine.clone(), route))),
+        Engine::My(engine) => handler.layer(waiting(app, layer(engine.clone(), route))),
     }
 }
 

@@ -109,6 +109,9 @@ pub async fn purchase(
         (HeldKey::Sqlite(lease), Engine::Sqlite(engine)) => {
             perform(engine, app.purchase(), lease, &request).await
         }
+        (HeldKey::My(lease), Engine::My(engine)) => {
+            perform(engine, app.purchase(), lease, &request).await
+        }
         _ => Err(PerformError::LeaseLost),
     };
     match performed {
@@ -153,7 +156,7 @@ fn perform_problem(error: PerformError) -> Problem {
             "another worker carries this purchase on; retry with the same Idempotency-Key",
         )
         .with_retry_after(std::time::Duration::from_secs(1)),
-        PerformError::Released(StepError::Store(e)) if e.is_unavailable() => Problem::shop(
+        PerformError::Released(error) if is_transient(&error) => Problem::shop(
             StatusCode::SERVICE_UNAVAILABLE,
             "database",
             "Database unavailable",
@@ -179,6 +182,19 @@ fn perform_problem(error: PerformError) -> Problem {
                 "nothing was kept; retry with the same Idempotency-Key",
             )
         }
+    }
+}
+
+/// Whether a step failed for a reason a retry may not meet: the store unavailable, or the
+/// database rolling a step's transaction back to break a deadlock (InnoDB picks a victim when
+/// two purchases of one user lock their rows in turn).
+fn is_transient(error: &StepError) -> bool {
+    match error {
+        StepError::Store(e) => e.is_unavailable(),
+        StepError::Local { source, .. } => source
+            .downcast_ref::<sqlx::Error>()
+            .is_some_and(idempotency::is_unavailable_error),
+        _ => false,
     }
 }
 
@@ -293,17 +309,18 @@ pub async fn pay_order(
     mut tx: BusinessTx,
 ) -> Answer {
     let Path(id) = id.map_err(path_problem)?;
-    let amount: Option<i64> = tx
+    // UPDATE, then SELECT (no UPDATE … RETURNING on MariaDB): the row stays locked between them.
+    let paid = tx
         .conn()
-        .scalar_optional(
+        .execute(
             sql("UPDATE shop_orders SET status = 'paid'
-                 WHERE id = $1 AND user_id = $2 AND status = 'unpaid' RETURNING amount_cents")
+                 WHERE id = $1 AND user_id = $2 AND status = 'unpaid'")
             .bind(id)
             .bind(&user.0),
         )
         .await
         .map_err(|e| Problem::database(&e))?;
-    let Some(amount) = amount else {
+    if paid != 1 {
         let existing: Option<OrderRow> = tx
             .conn()
             .fetch_optional(
@@ -322,7 +339,12 @@ pub async fn pay_order(
         let mut body = order_json(existing);
         body["already_paid"] = json!(true);
         return Ok((StatusCode::OK, Json(body)));
-    };
+    }
+    let amount: i64 = tx
+        .conn()
+        .scalar(sql("SELECT amount_cents FROM shop_orders WHERE id = $1").bind(id))
+        .await
+        .map_err(db)?;
     if let Err(balance) = debit(&mut tx.conn(), &user.0, amount).await.map_err(db)? {
         return Err(insufficient(amount, balance));
     }
@@ -332,16 +354,25 @@ pub async fn pay_order(
         .charge(&format!("shop:order-pay:{id}"), &user.0, amount)
         .await
         .map_err(payment_problem)?;
+    tx.conn()
+        .execute(
+            sql("UPDATE shop_orders SET charge_id = $2 WHERE id = $1")
+                .bind(id)
+                .bind(&charge.charge_id),
+        )
+        .await
+        .map_err(db)?;
     let row: OrderRow = tx
         .conn()
         .fetch_one(
-            sql("UPDATE shop_orders SET charge_id = $2 WHERE id = $1
-                 RETURNING id, sku, quantity, amount_cents, status, charge_id")
-            .bind(id)
-            .bind(&charge.charge_id),
+            sql(
+                "SELECT id, sku, quantity, amount_cents, status, charge_id FROM shop_orders
+                 WHERE id = $1",
+            )
+            .bind(id),
         )
         .await
-        .map_err(|e| Problem::database(&e))?;
+        .map_err(db)?;
     let mut body = order_json(row);
     body["already_paid"] = json!(false);
     Ok((StatusCode::OK, Json(body)))
@@ -408,6 +439,10 @@ pub async fn grant_points(
             sql(
                 "INSERT INTO shop_point_grants (order_id, user_id, points) VALUES ($1, $2, $3)
                  ON CONFLICT (order_id) DO NOTHING RETURNING id",
+            )
+            .on_mysql(
+                "INSERT IGNORE INTO shop_point_grants (order_id, user_id, points)
+                 VALUES ($1, $2, $3) RETURNING id",
             )
             .bind(request.order_id)
             .bind(&user.0)
@@ -555,6 +590,10 @@ pub async fn ledger(
             .fetch_one(
                 sql("SELECT CAST(COALESCE(SUM(points), 0) AS BIGINT), COUNT(*)
                      FROM shop_point_grants WHERE user_id = $1")
+                .on_mysql(
+                    "SELECT CAST(COALESCE(SUM(points), 0) AS SIGNED), COUNT(*)
+                     FROM shop_point_grants WHERE user_id = $1",
+                )
                 .bind(&id),
             )
             .await

@@ -7,14 +7,15 @@ use crate::{
     purchase::Purchase,
 };
 use idempotency::{
-    Idempotency, Maintenance, MaintenanceWorker, Operations, PgStore, SqliteStore, WorkerHandle,
+    Idempotency, Maintenance, MaintenanceWorker, MySqlStore, Operations, PgStore, SqliteStore,
+    WorkerHandle,
 };
 use std::{sync::Arc, time::Duration};
 
 /// How the service is configured.
 #[derive(Debug, Clone)]
 pub struct Config {
-    /// `sqlite://FILE` or `postgres://…`.
+    /// `sqlite://FILE`, `postgres://…` or `mysql://…` (MariaDB).
     pub database_url: String,
     /// Payment provider faults.
     pub payment: Faults,
@@ -23,7 +24,7 @@ pub struct Config {
     /// Also mount `POST /unprotected/purchases` (the purchase handler without the idempotency middleware), for
     /// the benchmark.
     pub bench_routes: bool,
-    /// Size of the shop's connection pool (PostgreSQL).
+    /// Size of the shop's connection pool (PostgreSQL, MariaDB).
     pub max_connections: u32,
     /// Serve `POST /purchases` **without** the idempotency middleware (a deliberately broken shop, to show that
     /// the storm catches double charges).
@@ -75,6 +76,8 @@ pub enum Engine {
     Pg(Idempotency<PgStore>),
     /// On SQLite.
     Sqlite(Idempotency<SqliteStore>),
+    /// On MariaDB.
+    My(Idempotency<MySqlStore>),
 }
 
 struct Inner {
@@ -115,6 +118,11 @@ impl App {
                     .with_heartbeat(heartbeat),
             ),
             ShopDb::Sqlite(store) => Engine::Sqlite(
+                Idempotency::new(store.clone())
+                    .with_lease(lease)
+                    .with_heartbeat(heartbeat),
+            ),
+            ShopDb::My(store) => Engine::My(
                 Idempotency::new(store.clone())
                     .with_lease(lease)
                     .with_heartbeat(heartbeat),
@@ -179,6 +187,7 @@ impl App {
         match self.engine() {
             Engine::Pg(engine) => self.worker_on(engine, interval),
             Engine::Sqlite(engine) => self.worker_on(engine, interval),
+            Engine::My(engine) => self.worker_on(engine, interval),
         }
     }
 

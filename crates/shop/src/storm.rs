@@ -868,6 +868,12 @@ impl Audit {
                 .fetch_all(
                     sql("SELECT scope, idem_key, state, result FROM idempotency_keys
                          WHERE operation = $1 AND scope LIKE $2")
+                    // MariaDB keeps the key columns as VARBINARY (and `state` as ascii_bin).
+                    .on_mysql(
+                        "SELECT CONVERT(scope USING utf8mb4), CONVERT(idem_key USING utf8mb4),
+                         CONVERT(state USING utf8mb4), result FROM idempotency_keys
+                         WHERE operation = $1 AND scope LIKE $2",
+                    )
                     .bind(PURCHASE.operation)
                     .bind(&self.users),
                 )

@@ -17,9 +17,9 @@ use axum::{
     middleware::Next,
     response::{IntoResponse, Response},
 };
-use idempotency::{PgStore, SqliteStore};
+use idempotency::{MySqlStore, PgStore, SqliteStore};
 use idempotency_http::{Disposition, IdempotentTx, KeyLease};
-use sqlx::{Postgres, Sqlite};
+use sqlx::{MySql, Postgres, Sqlite};
 use std::sync::{Arc, Mutex};
 
 /// The transaction of a request, as an extractor: run statements on [`conn`](Self::conn) and
@@ -31,6 +31,7 @@ pub struct BusinessTx(Open);
 enum Open {
     KeyedPg(IdempotentTx<Postgres>),
     KeyedSqlite(IdempotentTx<Sqlite>),
+    KeyedMy(IdempotentTx<MySql>),
     Plain { tx: Option<Tx>, slot: PlainSlot },
 }
 
@@ -40,6 +41,7 @@ impl BusinessTx {
         match &mut self.0 {
             Open::KeyedPg(tx) => Conn::Pg(tx),
             Open::KeyedSqlite(tx) => Conn::Sqlite(tx),
+            Open::KeyedMy(tx) => Conn::My(tx),
             Open::Plain { tx, .. } => tx.as_mut().expect("present until drop").conn(),
         }
     }
@@ -93,6 +95,9 @@ impl FromRequestParts<App> for BusinessTx {
             Kind::Sqlite => IdempotentTx::from_request_parts(parts, app)
                 .await
                 .map(Open::KeyedSqlite),
+            Kind::Mysql => IdempotentTx::from_request_parts(parts, app)
+                .await
+                .map(Open::KeyedMy),
         };
         open.map(Self).map_err(IntoResponse::into_response)
     }
@@ -106,6 +111,8 @@ pub enum HeldKey {
     Pg(KeyLease<PgStore>),
     /// On SQLite.
     Sqlite(KeyLease<SqliteStore>),
+    /// On MariaDB.
+    My(KeyLease<MySqlStore>),
 }
 
 impl FromRequestParts<App> for HeldKey {
@@ -119,6 +126,9 @@ impl FromRequestParts<App> for HeldKey {
             Kind::Sqlite => KeyLease::from_request_parts(parts, app)
                 .await
                 .map(HeldKey::Sqlite),
+            Kind::Mysql => KeyLease::from_request_parts(parts, app)
+                .await
+                .map(HeldKey::My),
         };
         held.map_err(IntoResponse::into_response)
     }

@@ -73,6 +73,7 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         let consumed = match app.engine() {
             Engine::Pg(engine) => consume(engine.clone(), operation.clone(), &args).await,
             Engine::Sqlite(engine) => consume(engine.clone(), operation.clone(), &args).await,
+            Engine::My(engine) => consume(engine.clone(), operation.clone(), &args).await,
         };
         match consumed {
             Ok(true) => return Ok(()),

@@ -7,7 +7,7 @@ mod common;
 use idempotency::{provider_key, IdempotencyKey};
 use idempotency_client::{IdempotencyMiddleware, Outcome, Probe, RequestKey, RetryPolicy};
 use serde_json::{json, Value};
-use shop::purchase::START_BALANCE_CENTS;
+use shop::{db::sql, purchase::START_BALANCE_CENTS};
 use std::{
     collections::HashMap,
     io::{BufRead, BufReader},
@@ -131,101 +131,47 @@ struct Rows {
 }
 
 async fn rows(database_url: &str, user: &str, key: &str) -> Rows {
-    let orders = "SELECT status, charge_id FROM shop_orders WHERE user_id = $1 ORDER BY id";
-    let purchases = "SELECT count(*) FROM shop_purchases WHERE user_id = $1";
-    let charges = "SELECT provider_key, charge_id FROM payment_provider_charges WHERE account = $1";
-    let refunds = "SELECT r.charge_id FROM payment_provider_refunds r
-                   JOIN payment_provider_charges c ON c.charge_id = r.charge_id WHERE c.account = $1";
-    let balance = "SELECT balance_cents FROM shop_users WHERE id = $1";
-    let state = "SELECT state FROM idempotency_keys WHERE scope = $1 AND operation = 'purchase' AND idem_key = $2";
-    if database_url.starts_with("postgres") {
-        let pool = sqlx::PgPool::connect(database_url).await.unwrap();
-        let rows = Rows {
-            orders: sqlx::query_as(orders)
-                .bind(user)
-                .fetch_all(&pool)
-                .await
-                .unwrap(),
-            purchases: sqlx::query_scalar(purchases)
-                .bind(user)
-                .fetch_one(&pool)
-                .await
-                .unwrap(),
-            charges: sqlx::query_as(charges)
-                .bind(user)
-                .fetch_all(&pool)
-                .await
-                .unwrap(),
-            refunded: sqlx::query_scalar(refunds)
-                .bind(user)
-                .fetch_all(&pool)
-                .await
-                .unwrap(),
-            balance: sqlx::query_scalar(balance)
-                .bind(user)
-                .fetch_optional(&pool)
-                .await
-                .unwrap(),
-            key_state: sqlx::query_scalar(state)
-                .bind(user)
-                .bind(key)
-                .fetch_optional(&pool)
-                .await
-                .unwrap(),
-        };
-        pool.close().await;
-        rows
-    } else {
-        let path = database_url
-            .trim_start_matches("sqlite://")
-            .split('?')
-            .next()
-            .unwrap()
-            .to_owned();
-        let shop = sqlx::SqlitePool::connect(&format!("sqlite://{path}"))
-            .await
-            .unwrap();
-        let providers = sqlx::SqlitePool::connect(&format!("sqlite://{path}.providers"))
-            .await
-            .unwrap();
-        let refunds = "SELECT r.charge_id FROM payment_provider_refunds r
-                       JOIN payment_provider_charges c ON c.charge_id = r.charge_id WHERE c.account = $1";
-        let rows = Rows {
-            orders: sqlx::query_as(orders)
-                .bind(user)
-                .fetch_all(&shop)
-                .await
-                .unwrap(),
-            purchases: sqlx::query_scalar(purchases)
-                .bind(user)
-                .fetch_one(&shop)
-                .await
-                .unwrap(),
-            charges: sqlx::query_as(charges)
-                .bind(user)
-                .fetch_all(&providers)
-                .await
-                .unwrap(),
-            refunded: sqlx::query_scalar(refunds)
-                .bind(user)
-                .fetch_all(&providers)
-                .await
-                .unwrap(),
-            balance: sqlx::query_scalar(balance)
-                .bind(user)
-                .fetch_optional(&shop)
-                .await
-                .unwrap(),
-            key_state: sqlx::query_scalar(state)
-                .bind(user)
-                .bind(key)
-                .fetch_optional(&shop)
-                .await
-                .unwrap(),
-        };
-        shop.close().await;
-        providers.close().await;
-        rows
+    // The shop's own connections and statements: one code path for every backend.
+    let (shop, providers) = shop::db::connect(database_url, 2).await.unwrap();
+    let mut read = shop.read().await.unwrap();
+    let mut c = read.conn();
+    let orders = sql("SELECT status, charge_id FROM shop_orders WHERE user_id = $1 ORDER BY id");
+    let orders = c.fetch_all(orders.bind(user)).await.unwrap();
+    let purchases = sql("SELECT count(*) FROM shop_purchases WHERE user_id = $1");
+    let purchases = c.scalar(purchases.bind(user)).await.unwrap();
+    let balance = sql("SELECT balance_cents FROM shop_users WHERE id = $1");
+    let balance = c.scalar_optional(balance.bind(user)).await.unwrap();
+    let state = sql(
+        "SELECT state FROM idempotency_keys WHERE scope = $1 AND operation = 'purchase' AND idem_key = $2",
+    )
+    // MariaDB keeps `state` in a binary collation, which sqlx reads as bytes.
+    .on_mysql(
+        "SELECT CONVERT(state USING utf8mb4) FROM idempotency_keys
+         WHERE scope = $1 AND operation = 'purchase' AND idem_key = $2",
+    );
+    let key_state = c.scalar_optional(state.bind(user).bind(key)).await.unwrap();
+    drop(read);
+    let mut read = providers.conn().await.unwrap();
+    let mut c = read.conn();
+    let charges =
+        sql("SELECT provider_key, charge_id FROM payment_provider_charges WHERE account = $1");
+    let charges = c.fetch_all(charges.bind(user)).await.unwrap();
+    let refunds = sql("SELECT r.charge_id FROM payment_provider_refunds r
+         JOIN payment_provider_charges c ON c.charge_id = r.charge_id WHERE c.account = $1");
+    let refunded = c
+        .fetch_all::<(String,)>(refunds.bind(user))
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|(charge_id,)| charge_id)
+        .collect();
+    Rows {
+        orders,
+        purchases,
+        charges,
+        refunded,
+        balance,
+        key_state,
     }
 }
 
@@ -478,7 +424,6 @@ async fn purchases_survive_faults_and_kills(backend: Backend) {
 
 test_support::backend_tests! {
     #[tokio::test]
-    except MySql = "the shop runs on SQLite and PostgreSQL only (its database URL refuses mysql:)";
     double_click_gets_no_409,
     purchases_survive_faults_and_kills,
 }

@@ -545,7 +545,6 @@ async fn metrics_count_each_outcome(shop: Shop) {
 
 test_support::backend_tests! {
     #[tokio::test]
-    except MySql = "the shop runs on SQLite and PostgreSQL only (its database URL refuses mysql:)";
     health_and_authentication,
     bad_input_reserves_and_charges_nothing,
     a_purchase_is_replayed_and_its_key_bound_to_its_request,
