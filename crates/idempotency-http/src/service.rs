@@ -357,35 +357,40 @@ where
     ResBody: http_body::Body<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
-    let (settings, operation) = (call.settings.clone(), call.operation.clone());
-    match reserved {
+    let reserved = match reserved {
         Ok(Reservation::Acquired(lease)) => {
             // With waiting on, duplicates may wait for this key: tell them when it is settled.
-            let announce = settings.wait_for_in_flight.is_some().then(|| key.clone());
+            let announce = (call.settings.wait_for_in_flight.is_some())
+                .then(|| (key.clone(), call.settings.clone()));
             let answer = execute(call, key, lease).await;
-            if let Some(key) = announce {
+            if let Some((key, settings)) = announce {
                 in_flight::announce(settings.idempotency.store(), &settings.waiters, key);
             }
-            answer
+            return answer;
         }
-        Ok(Reservation::Completed(bytes)) => Ok(replay(&settings, &operation, &bytes)),
+        other => other,
+    };
+    let (settings, operation) = (&*call.settings, call.operation.as_str());
+    match reserved {
+        Ok(Reservation::Completed(bytes)) => Ok(replay(settings, operation, &bytes)),
         Err(idempotency::Error::InProgress { retry_after }) => {
             // The finer hint: how long this operation usually takes, within the engine's.
-            let retry_after = settings.estimates.hint(&operation, retry_after);
+            let retry_after = settings.estimates.hint(operation, retry_after);
             Ok(refuse(
                 &settings.problem_base,
-                &operation,
+                operation,
                 IdempotencyRejection::InProgress { retry_after },
             ))
         }
         Err(error) => Ok(refuse(
             &settings.problem_base,
-            &operation,
+            operation,
             IdempotencyRejection::from_engine(error),
         )),
+        // `Acquired` was answered above.
         Ok(_) => Ok(refuse(
             &settings.problem_base,
-            &operation,
+            operation,
             InternalError::UnknownReservation.into(),
         )),
     }

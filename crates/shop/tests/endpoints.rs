@@ -1,4 +1,4 @@
-//! Black-box tests of every endpoint, against the real binary, on SQLite and PostgreSQL.
+//! Black-box tests of every endpoint, against the real binary, on SQLite, PostgreSQL and MariaDB.
 
 mod common;
 
