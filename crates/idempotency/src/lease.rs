@@ -3,10 +3,14 @@
 use crate::{
     error::{Error, StoreError},
     heartbeat::Heartbeat,
+    replay_cache::{self, ReplayCache},
     store::{Effects, KeyRecord, LeaseToken, Store},
-    IdempotencyKey,
+    Fingerprint, IdempotencyKey,
 };
-use std::time::Duration;
+use std::{
+    sync::Arc,
+    time::{Duration, Instant},
+};
 
 /// The right to run the work for one key, until the lease ends.
 ///
@@ -29,6 +33,9 @@ pub struct Lease<S: Store> {
     pub(crate) resumed: Option<Box<KeyRecord>>,
     /// Extends the lease while it is held (`None`: off, or no runtime to beat on).
     pub(crate) heartbeat: Option<Heartbeat>,
+    /// Where a committed completion is remembered, with the fingerprint of the request it
+    /// answers (`None`: no cache).
+    pub(crate) replay_cache: Option<(Arc<ReplayCache>, Fingerprint)>,
 }
 
 impl<S: Store> Lease<S> {
@@ -50,6 +57,15 @@ impl<S: Store> Lease<S> {
 
     pub(crate) fn store(&self) -> &S {
         &self.store
+    }
+
+    /// After the completion started at `started` committed: remembers `result` in the replay
+    /// cache, if there is one, until no later than the row's `expires_at`.
+    pub(crate) fn remember(&self, started: Instant, result: &[u8]) {
+        if let Some((cache, fingerprint)) = &self.replay_cache {
+            let deadline = replay_cache::deadline(started, self.retention);
+            cache.insert(&self.key, *fingerprint, result, deadline);
+        }
     }
 
     /// Whether the heartbeat found this lease gone while the work ran (taken over after a
@@ -100,6 +116,7 @@ impl<S: Store> Lease<S> {
         }
         // The remaining lease (at least two thirds of it) covers the completion.
         self.stop_heartbeat();
+        let started = Instant::now();
         let completed = self
             .store
             .complete(&mut tx, &self.key, self.token, result, self.retention)
@@ -120,6 +137,7 @@ impl<S: Store> Lease<S> {
         match tx.commit().await {
             Ok(()) => {
                 self.disarm();
+                self.remember(started, result);
                 Ok(())
             }
             Err(e) => {

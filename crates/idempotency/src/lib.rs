@@ -14,6 +14,7 @@ mod outcome;
 mod protocol;
 mod recent_replays;
 mod recovery;
+mod replay_cache;
 mod retention;
 mod steps;
 mod store;

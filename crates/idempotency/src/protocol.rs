@@ -8,6 +8,7 @@ use crate::{
     heartbeat::Heartbeat,
     lease::Lease,
     recent_replays::RecentReplays,
+    replay_cache::ReplayCache,
     steps::StepPolicy,
     store::{Effects, Insertion, KeyRecord, KeyState, LeaseToken, PendingRow, Store},
     Fingerprint, IdempotencyKey, Outcome,
@@ -182,6 +183,8 @@ pub struct Idempotency<S> {
     recent_replays: Arc<RecentReplays>,
     step_policy: StepPolicy,
     heartbeat: bool,
+    /// Results this process completed, for replays without a round trip (opt-in).
+    replay_cache: Option<Arc<ReplayCache>>,
 }
 
 impl<S: Store> Idempotency<S> {
@@ -204,6 +207,7 @@ impl<S: Store> Idempotency<S> {
             recent_replays: Arc::default(),
             step_policy: StepPolicy::default(),
             heartbeat: true,
+            replay_cache: None,
         }
     }
 
@@ -241,6 +245,42 @@ impl<S: Store> Idempotency<S> {
     pub fn with_replay_first(mut self, replay_first: bool) -> Self {
         self.replay_first = Some(replay_first);
         self
+    }
+
+    /// Answers replays of results **this process** completed from memory, without a database
+    /// round trip: a bounded cache of at most `capacity` results (the oldest evicted first),
+    /// off by default.
+    ///
+    /// Safe because a completed result never changes until its key expires: an entry answers
+    /// only the same scope, operation and key **with the same request fingerprint**, and only
+    /// until a deadline no later than the row's `expires_at` (the completion's start plus the
+    /// retention). Anything else (a miss, another request under the key, an expired entry)
+    /// goes to the database, which answers as without the cache. Memory: about the size of
+    /// the stored responses plus 200 bytes per entry.
+    ///
+    /// Do not use it where keys are changed behind the engine's back before they expire: an
+    /// operator deleting or rewriting rows by hand, a restore from a backup, or a retention
+    /// shortened in the database. The cache would go on replaying what it holds until its
+    /// deadline.
+    ///
+    /// ```
+    /// # #[cfg(feature = "sqlite")]
+    /// # async fn demo() -> Result<(), idempotency::StoreError> {
+    /// # use idempotency::{SqliteStore, Idempotency};
+    /// let store = SqliteStore::connect("sqlite::memory:").await?;
+    /// let idem = Idempotency::new(store).with_replay_cache(10_000);
+    /// # Ok(()) }
+    /// ```
+    pub fn with_replay_cache(mut self, capacity: usize) -> Self {
+        self.replay_cache = Some(Arc::new(ReplayCache::new(capacity)));
+        self
+    }
+
+    /// The result of a completed key cached by [`with_replay_cache`](Self::with_replay_cache),
+    /// for the attempt's fingerprint.
+    fn cached_replay(&self, attempt: &Attempt) -> Option<Vec<u8>> {
+        let cache = self.replay_cache.as_ref()?;
+        cache.get(&attempt.key, &attempt.fingerprint)
     }
 
     /// How long a holder may go without a sign of life before its key may be taken over
@@ -327,6 +367,10 @@ impl<S: Store> Idempotency<S> {
     /// is in flight (a client hung up), the task finishes it and releases a key it reserved, so
     /// no key is left pending without a holder until its lease ends.
     pub async fn reserve(&self, attempt: &Attempt) -> Result<Reservation<S>, Error> {
+        if let Some(result) = self.cached_replay(attempt) {
+            self.recent_replays.observe(true);
+            return Ok(Reservation::Completed(result));
+        }
         if self.replays_first() {
             if let Some(result) = self.replay(attempt).await? {
                 return Ok(Reservation::Completed(result));
@@ -357,6 +401,10 @@ impl<S: Store> Idempotency<S> {
     /// unexpired key with the attempt's fingerprint, or `None` (then [`reserve`](Self::reserve)
     /// decides). It writes nothing, so it may be cancelled at any point.
     pub async fn replay(&self, attempt: &Attempt) -> Result<Option<Vec<u8>>, Error> {
+        if let Some(result) = self.cached_replay(attempt) {
+            self.recent_replays.observe(true);
+            return Ok(Some(result));
+        }
         let result = self
             .store
             .find_replay(&attempt.key, &attempt.fingerprint)
@@ -505,7 +553,15 @@ impl<S: Store> Idempotency<S> {
             armed: true,
             resumed: None,
             heartbeat: self.heartbeat_for(row.key, row.token),
+            replay_cache: self.cache_for(row.fingerprint),
         }
+    }
+
+    /// The replay cache and the fingerprint a lease's completion is remembered under.
+    fn cache_for(&self, fingerprint: Fingerprint) -> Option<(Arc<ReplayCache>, Fingerprint)> {
+        self.replay_cache
+            .as_ref()
+            .map(|cache| (cache.clone(), fingerprint))
     }
 
     /// A lease for a key the recovery job claimed with `token`.
@@ -521,6 +577,7 @@ impl<S: Store> Idempotency<S> {
             // outside call and may be released.
             resumed: record.request.is_some().then(|| Box::new(record.clone())),
             heartbeat: self.heartbeat_for(&record.key, token),
+            replay_cache: self.cache_for(record.fingerprint),
         }
     }
 

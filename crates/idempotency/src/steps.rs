@@ -620,6 +620,7 @@ impl<S: Store> Steps<S> {
         }
         // The remaining lease covers the completion; a beat racing it would only find it settled.
         self.lease.stop_heartbeat();
+        let started = std::time::Instant::now();
         let completed = self
             .store()
             .complete(
@@ -639,6 +640,7 @@ impl<S: Store> Steps<S> {
         tx.commit().await?;
         self.settled = true;
         self.lease.disarm();
+        self.lease.remember(started, &result);
         Ok(Finished {
             response,
             settlement,

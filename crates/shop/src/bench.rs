@@ -39,6 +39,10 @@ pub struct BenchArgs {
     /// Concurrent clients (repeatable).
     #[arg(long = "concurrency", default_values_t = vec![1, 32])]
     pub concurrency: Vec<usize>,
+    /// Answer replays of results the shop completed from memory, at most this many
+    /// (`Idempotency::with_replay_cache`); default: off, every replay reads the database.
+    #[arg(long)]
+    pub replay_cache: Option<usize>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -188,6 +192,7 @@ async fn bench_backend(label: &str, url: &str, args: &BenchArgs) -> anyhow::Resu
     let mut config = Config::new(url);
     config.bench_routes = true;
     config.max_connections = 40;
+    config.replay_cache = args.replay_cache;
     let running = app::start(&config, "127.0.0.1:0").await?;
     let client = Client::new(vec![running.url()]);
     let run = uuid::Uuid::new_v4().simple().to_string()[..8].to_owned();

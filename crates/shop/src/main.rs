@@ -59,6 +59,11 @@ struct ServeArgs {
     /// `--lease-ms` loses its key to a retry, as a frozen process would (`faults slow-worker`).
     #[arg(long)]
     no_heartbeat: bool,
+    /// Answer replays of purchases this process completed from memory, keeping at most this
+    /// many results (`Idempotency::with_replay_cache`; default: off). Do not use it where an
+    /// operator may delete keys by hand.
+    #[arg(long)]
+    replay_cache: Option<usize>,
     /// Pause between passes of the maintenance worker, in milliseconds: it carries purchases
     /// whose client or process went away to their end, releases abandoned keys and purges expired
     /// ones.
@@ -132,6 +137,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     config.unguarded_purchases = args.unguarded_purchases;
     config.lease = Duration::from_millis(args.lease_ms);
     config.heartbeat = !args.no_heartbeat;
+    config.replay_cache = args.replay_cache;
     config.worker_interval =
         (!args.no_worker).then(|| Duration::from_millis(args.worker_interval_ms.max(10)));
     config.wait_for_in_flight =

@@ -35,6 +35,9 @@ pub struct Config {
     /// Whether a held lease is extended while its request works (`Idempotency::with_heartbeat`);
     /// off, a request working longer than `lease` loses its key to a retry.
     pub heartbeat: bool,
+    /// Replays of results this process completed answered from memory
+    /// (`Idempotency::with_replay_cache`), at most this many; `None`: off (the default).
+    pub replay_cache: Option<usize>,
     /// The pause between passes of the maintenance worker (resume, recover, purge); `None`
     /// runs no worker.
     pub worker_interval: Option<Duration>,
@@ -61,11 +64,23 @@ impl Config {
             unguarded_purchases: false,
             lease: Duration::from_secs(10),
             heartbeat: true,
+            replay_cache: None,
             worker_interval: Some(Duration::from_secs(1)),
             wait_for_in_flight: None,
             amqp_url: None,
             outbox_duplicate_share: 0.0,
         }
+    }
+}
+
+/// An engine on `store` with the configured lease, heartbeat and replay cache.
+fn configured<S: idempotency::Store>(store: &S, config: &Config) -> Idempotency<S> {
+    let engine = Idempotency::new(store.clone())
+        .with_lease(config.lease)
+        .with_heartbeat(config.heartbeat);
+    match config.replay_cache {
+        Some(capacity) => engine.with_replay_cache(capacity),
+        None => engine,
     }
 }
 
@@ -110,23 +125,10 @@ impl App {
         let (db, providers) = db::connect(&config.database_url, config.max_connections).await?;
         db.migrate().await?;
         providers.migrate().await?;
-        let (lease, heartbeat) = (config.lease, config.heartbeat);
         let engine = match &db {
-            ShopDb::Pg(store) => Engine::Pg(
-                Idempotency::new(store.clone())
-                    .with_lease(lease)
-                    .with_heartbeat(heartbeat),
-            ),
-            ShopDb::Sqlite(store) => Engine::Sqlite(
-                Idempotency::new(store.clone())
-                    .with_lease(lease)
-                    .with_heartbeat(heartbeat),
-            ),
-            ShopDb::My(store) => Engine::My(
-                Idempotency::new(store.clone())
-                    .with_lease(lease)
-                    .with_heartbeat(heartbeat),
-            ),
+            ShopDb::Pg(store) => Engine::Pg(configured(store, config)),
+            ShopDb::Sqlite(store) => Engine::Sqlite(configured(store, config)),
+            ShopDb::My(store) => Engine::My(configured(store, config)),
         };
         let payment = PaymentProvider::new(providers.clone(), config.payment);
         Ok(Self(Arc::new(Inner {

@@ -30,6 +30,9 @@ pub trait Harness: Store + Sized {
     /// Another store on the same database, with a pool of at most `connections`.
     fn reopen(&self, connections: u32) -> impl std::future::Future<Output = Self> + Send;
 
+    /// Deletes a key row behind the engine's back, as an operator's hand would.
+    fn delete_by_hand(&self, key: &IdempotencyKey) -> impl std::future::Future<Output = ()> + Send;
+
     /// Holds every connection this store writes with until the guard is dropped: meanwhile its
     /// statements (a lease's heartbeat among them) wait, as a frozen process's would. Other
     /// stores on the database ([`reopen`](Self::reopen)) go on.
@@ -68,6 +71,17 @@ impl Harness for PgStore {
         })
     }
 
+    async fn delete_by_hand(&self, key: &IdempotencyKey) {
+        sqlx::query(
+            "DELETE FROM idempotency_keys WHERE scope = $1 AND operation = $2 AND idem_key = $3",
+        )
+        .bind(key.scope())
+        .bind(key.operation())
+        .bind(key.key())
+        .execute(self.pool())
+        .await
+        .expect("delete a key by hand");
+    }
     async fn count_effects(&self, trial: &str) -> i64 {
         sqlx::query_scalar("SELECT count(*) FROM effects WHERE trial = $1")
             .bind(trial)
@@ -122,6 +136,17 @@ impl Harness for SqliteStore {
         })
     }
 
+    async fn delete_by_hand(&self, key: &IdempotencyKey) {
+        sqlx::query(
+            "DELETE FROM idempotency_keys WHERE scope = ?1 AND operation = ?2 AND idem_key = ?3",
+        )
+        .bind(key.scope())
+        .bind(key.operation())
+        .bind(key.key())
+        .execute(self.pool())
+        .await
+        .expect("delete a key by hand");
+    }
     async fn count_effects(&self, trial: &str) -> i64 {
         sqlx::query_scalar("SELECT count(*) FROM effects WHERE trial = ?1")
             .bind(trial)
@@ -182,6 +207,17 @@ impl Harness for idempotency::MySqlStore {
         })
     }
 
+    async fn delete_by_hand(&self, key: &IdempotencyKey) {
+        sqlx::query(
+            "DELETE FROM idempotency_keys WHERE scope = ? AND operation = ? AND idem_key = ?",
+        )
+        .bind(key.scope())
+        .bind(key.operation())
+        .bind(key.key())
+        .execute(self.pool())
+        .await
+        .expect("delete a key by hand");
+    }
     async fn count_effects(&self, trial: &str) -> i64 {
         sqlx::query_scalar("SELECT count(*) FROM effects WHERE trial = ?")
             .bind(trial)
