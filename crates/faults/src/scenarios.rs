@@ -87,15 +87,18 @@ impl Backend {
 
     /// A fresh database on this backend's server.
     async fn fresh_server_database(self) -> Result<String> {
-        match self {
-            Backend::Postgres => test_support::fresh_postgres_url()
-                .await
-                .context("TEST_POSTGRES_URL must name the PostgreSQL server"),
-            Backend::Mysql => test_support::fresh_mysql_url()
-                .await
-                .context("TEST_MYSQL_URL must name the MariaDB server"),
+        let harness = match self {
+            Backend::Postgres => test_support::Backend::Postgres,
+            Backend::Mysql => test_support::Backend::MySql,
             Backend::Sqlite => bail!("SQLite has no server"),
-        }
+        };
+        let database = harness.fresh_database().await.with_context(|| {
+            format!(
+                "TEST_{}_URL must name the {self} server",
+                harness.name().to_uppercase()
+            )
+        })?;
+        Ok(database.url)
     }
 
     /// The wire protocol of this backend's server, for the fault proxy.
@@ -269,16 +272,6 @@ pub(crate) async fn settle_and_check(
     verdict
 }
 
-pub(crate) fn totals(ops: &[OpReport]) -> (usize, usize, usize, usize) {
-    let outage = Outage::of(ops);
-    (
-        outage.requests,
-        outage.replays,
-        outage.transport,
-        outage.unavailable,
-    )
-}
-
 /// What the clients saw during an outage (a database restart, a full disk).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Outage {
@@ -392,11 +385,14 @@ pub async fn kill9(env: &Env, backend: Backend, kills: usize) -> Result<()> {
     );
     shop.kill9().await?;
     let recovered = recover(env, &db).await?;
-    let (requests, replays, transport, _) = totals(&ops);
+    let seen = Outage::of(&ops);
     println!(
-        "faults: kill9 ({backend}): {kills} kills ({starts} starts) in {:.1}s, {} operations, {requests} requests, {replays} replays, {transport} transport errors; then idem recover: {recovered}",
+        "faults: kill9 ({backend}): {kills} kills ({starts} starts) in {:.1}s, {} operations, {} requests, {} replays, {} transport errors; then idem recover: {recovered}",
         started.elapsed().as_secs_f64(),
-        ops.len()
+        ops.len(),
+        seen.requests,
+        seen.replays,
+        seen.transport
     );
     print_verdict(&format!("kill9 ({backend})"), &verdict);
     ensure!(verdict.executed_once > 0, "nothing executed");
@@ -455,13 +451,15 @@ pub async fn lost_ack(env: &Env, backend: Backend, trials: usize) -> Result<()> 
     }
     ensure!(!shop.panicked(), "the shop panicked");
     let verdict = settle_and_check(env, &db, &ops).await?;
-    let (requests, replays, _, _) = totals(&ops);
+    let seen = Outage::of(&ops);
     // The purchase is durable: the COMMIT whose reply is lost (its order step, or its last
     // step) did commit, and whoever holds the key next (the retry, or the shop's worker) goes on
     // from that recovery point, so the retry's 201 is either the stored answer (a replay) or the
     // end of a purchase it carried on itself: never a second order or charge.
     println!(
-        "faults: lost-ack: {trials} COMMIT replies cut, {requests} requests, {replays} replays; retries answered from the store {replayed_after_cut}, retries that carried the purchase on from its recovery point {}",
+        "faults: lost-ack: {trials} COMMIT replies cut, {} requests, {} replays; retries answered from the store {replayed_after_cut}, retries that carried the purchase on from its recovery point {}",
+        seen.requests,
+        seen.replays,
         trials - replayed_after_cut
     );
     print_verdict("lost-ack", &verdict);

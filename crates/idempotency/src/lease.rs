@@ -3,7 +3,7 @@
 use crate::{
     error::{Error, StoreError},
     heartbeat::Heartbeat,
-    replay_cache::{self, ReplayCache},
+    replay_cache::ReplayCache,
     store::{Effects, KeyRecord, LeaseToken, Store},
     Fingerprint, IdempotencyKey,
 };
@@ -63,8 +63,9 @@ impl<S: Store> Lease<S> {
     /// cache, if there is one, until no later than the row's `expires_at`.
     pub(crate) fn remember(&self, started: Instant, result: &[u8]) {
         if let Some((cache, fingerprint)) = &self.replay_cache {
-            let deadline = replay_cache::deadline(started, self.retention);
-            cache.insert(&self.key, *fingerprint, result, deadline);
+            // The row expires at the database's now() during the completion plus the
+            // retention; the completion started no earlier than `started`.
+            cache.insert(&self.key, *fingerprint, result, started + self.retention);
         }
     }
 

@@ -367,12 +367,13 @@ impl<S: Store> Idempotency<S> {
     /// is in flight (a client hung up), the task finishes it and releases a key it reserved, so
     /// no key is left pending without a holder until its lease ends.
     pub async fn reserve(&self, attempt: &Attempt) -> Result<Reservation<S>, Error> {
+        // A cache hit does not vote on `replays_first`: that heuristic decides whether a
+        // database read comes first, and cached replays never reach the database.
         if let Some(result) = self.cached_replay(attempt) {
-            self.recent_replays.observe(true);
             return Ok(Reservation::Completed(result));
         }
         if self.replays_first() {
-            if let Some(result) = self.replay(attempt).await? {
+            if let Some(result) = self.stored_replay(attempt).await? {
                 return Ok(Reservation::Completed(result));
             }
         }
@@ -401,10 +402,14 @@ impl<S: Store> Idempotency<S> {
     /// unexpired key with the attempt's fingerprint, or `None` (then [`reserve`](Self::reserve)
     /// decides). It writes nothing, so it may be cancelled at any point.
     pub async fn replay(&self, attempt: &Attempt) -> Result<Option<Vec<u8>>, Error> {
-        if let Some(result) = self.cached_replay(attempt) {
-            self.recent_replays.observe(true);
-            return Ok(Some(result));
+        match self.cached_replay(attempt) {
+            Some(result) => Ok(Some(result)),
+            None => self.stored_replay(attempt).await,
         }
+    }
+
+    /// The store's replay read; a hit counts toward [`replays_first`](Self::replays_first).
+    async fn stored_replay(&self, attempt: &Attempt) -> Result<Option<Vec<u8>>, Error> {
         let result = self
             .store
             .find_replay(&attempt.key, &attempt.fingerprint)

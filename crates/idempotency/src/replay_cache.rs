@@ -13,7 +13,7 @@ use crate::{Fingerprint, IdempotencyKey};
 use std::{
     collections::{HashMap, VecDeque},
     sync::{Arc, Mutex},
-    time::{Duration, Instant},
+    time::Instant,
 };
 
 /// One cached result.
@@ -113,15 +113,10 @@ impl ReplayCache {
     }
 }
 
-/// The deadline of a result completed by a statement that started at `started`, kept for
-/// `retention`.
-pub(crate) fn deadline(started: Instant, retention: Duration) -> Instant {
-    started + retention
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     fn key(k: &str) -> IdempotencyKey {
         IdempotencyKey::new("alice", "purchase", k).unwrap()

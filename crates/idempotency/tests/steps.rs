@@ -43,6 +43,7 @@ test_support::backend_tests! {
     the_request_is_stored_while_pending_and_cleared_on_completion,
     an_oversized_request_is_refused_and_its_key_released,
     the_maintenance_worker_resumes_abandoned_operations,
+    a_database_not_now_after_progress_is_not_counted_toward_review,
 }
 
 const SCOPE: &str = "user-7";
@@ -944,6 +945,12 @@ async fn a_retry_and_the_resumer_race_for_one_key<S: Harness + Maintenance>(stor
                 "resumer drove; retry in progress"
             }
             Err(PerformError::LeaseLost) => "resumer drove; retry fenced out",
+            // A tiny lease can end between the retry's claim and its read of the journal (a
+            // loaded machine): the resumer claimed the key after it, and the retry stopped
+            // before any step. A 30 s lease cannot end there.
+            Err(PerformError::Reserve(Error::LeaseLost)) if trial_no % 2 == 1 => {
+                "resumer drove; retry fenced out before its first step"
+            }
             Err(other) => panic!("{context}: unexpected {other:?}"),
         };
         *tally.entry(outcome).or_default() += 1;
@@ -1500,4 +1507,104 @@ async fn the_maintenance_worker_resumes_abandoned_operations<S: Harness + Mainte
         assert_eq!(count(&store, trial, "c/resumer").await, 1);
     }
     assert_eq!(provider.total_charges(), 4);
+}
+
+// --- A database "not now" after progress is not an unknown outcome -------------------------------
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+struct BusyRequest {
+    trial: String,
+}
+
+/// (a) a business row, then (b) a local step whose transaction the database refuses ("not now",
+/// as a pool timeout or a deadlock) while `refusals` is above zero, then the finish.
+#[derive(Debug, Clone, Default)]
+struct Busy {
+    refusals: Arc<AtomicU32>,
+}
+
+impl<S: Harness> Operation<S> for Busy {
+    type Request = BusyRequest;
+    type Response = String;
+
+    fn name(&self) -> &str {
+        "busy"
+    }
+
+    async fn run(
+        &self,
+        steps: &mut Steps<S>,
+        request: &BusyRequest,
+    ) -> Result<Finished<String>, StepError> {
+        let debit = format!("{}/a", request.trial);
+        steps
+            .local("debit", move |tx| {
+                Box::pin(async move {
+                    S::insert_effect(tx, &debit).await?;
+                    Ok::<_, sqlx::Error>(())
+                })
+            })
+            .await?;
+        let refusals = self.refusals.clone();
+        steps
+            .local("note", move |_tx| {
+                Box::pin(async move {
+                    let left = refusals.load(Ordering::SeqCst);
+                    if left > 0 {
+                        refusals.store(left - 1, Ordering::SeqCst);
+                        return Err(sqlx::Error::PoolTimedOut);
+                    }
+                    Ok(())
+                })
+            })
+            .await?;
+        let done = format!("{}/c/first", request.trial);
+        steps
+            .finish(move |tx| {
+                Box::pin(async move {
+                    S::insert_effect(tx, &done).await?;
+                    Ok::<_, sqlx::Error>("done".to_owned())
+                })
+            })
+            .await
+    }
+}
+
+/// A run whose later step meets the database's "not now" stops with `Interrupted` and leaves the
+/// key pending **without counting an unknown outcome**: more such stops than `max_unknown` never
+/// park the key, and the run after them carries on from the recovery point ((a) written once).
+async fn a_database_not_now_after_progress_is_not_counted_toward_review<
+    S: Harness + Maintenance,
+>(
+    store: S,
+) {
+    const REFUSALS: u32 = 4;
+    let engine = engine(&store, LEASE).with_step_policy(policy().with_max_unknown(2));
+    let trial = unique("not-now");
+    let key = key_of("busy", &trial);
+    let request = BusyRequest {
+        trial: trial.clone(),
+    };
+    let op = Busy::default();
+    op.refusals.store(REFUSALS, Ordering::SeqCst);
+    for run in 1..=REFUSALS {
+        let stopped = engine.perform(&op, SCOPE, &trial, &request).await;
+        assert!(
+            matches!(
+                stopped,
+                Err(PerformError::Interrupted(StepError::Local { .. }))
+            ),
+            "{}: run {run}: {stopped:?}",
+            S::NAME
+        );
+        let row = wait_lease_end(&store, &key).await;
+        assert_eq!(row.state, KeyState::Pending, "{}: run {run}", S::NAME);
+        assert_eq!(row.recovery_attempts, 0, "{}: run {run}", S::NAME);
+    }
+    let finished = engine.perform(&op, SCOPE, &trial, &request).await.unwrap();
+    assert_eq!(finished, Outcome::Executed("done".to_owned()));
+    let row = store.find(&key).await.unwrap().expect("completed");
+    assert_eq!(row.state, KeyState::Completed);
+    assert_eq!(count(&store, &trial, "a").await, 1);
+    assert_eq!(count(&store, &trial, "c/first").await, 1);
 }
