@@ -46,7 +46,7 @@ pub struct BenchArgs {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Scenario {
+pub(crate) enum Scenario {
     Protected,
     Unprotected,
     Replay,
@@ -72,19 +72,23 @@ impl Scenario {
 }
 
 /// Per-worker fixtures: its own user, and keys/orders to replay and read.
-struct Worker {
+pub(crate) struct Worker {
     user: String,
     replay_keys: Vec<String>,
     order_ids: Vec<i64>,
 }
 
 #[derive(Debug, Default, Clone, Copy)]
-struct Tally {
-    requests: u64,
+pub(crate) struct Tally {
+    pub(crate) requests: u64,
     seconds: f64,
 }
 
-async fn prepare(client: &Client, run: &str, workers: usize) -> anyhow::Result<Vec<Worker>> {
+pub(crate) async fn prepare(
+    client: &Client,
+    run: &str,
+    workers: usize,
+) -> anyhow::Result<Vec<Worker>> {
     let body = json!({"sku": "pencil", "quantity": 1});
     let mut out = Vec::new();
     for w in 0..workers {
@@ -113,7 +117,7 @@ async fn prepare(client: &Client, run: &str, workers: usize) -> anyhow::Result<V
 }
 
 /// Runs one scenario for `duration` with one task per worker; returns completed requests.
-async fn measure(
+pub(crate) async fn measure(
     client: &Client,
     workers: &[Worker],
     scenario: Scenario,
@@ -188,58 +192,95 @@ async fn measure(
     })
 }
 
-async fn bench_backend(label: &str, url: &str, args: &BenchArgs) -> anyhow::Result<()> {
+/// The ratios of one concurrency: first request / unprotected, replay / plain read.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Ratios {
+    pub(crate) first_request: f64,
+    pub(crate) replay: f64,
+}
+
+/// The four scenarios at one concurrency, interleaved in rounds; prints their table rows and
+/// returns the ratios.
+pub(crate) async fn measure_concurrency(
+    client: &Client,
+    workers: &[Worker],
+    args: &BenchArgs,
+    label: &str,
+) -> anyhow::Result<Ratios> {
+    let concurrency = workers.len();
+    // Warm-up, not counted.
+    for scenario in Scenario::ALL {
+        measure(client, workers, scenario, Duration::from_millis(300)).await?;
+    }
+    client.take_latency();
+    let mut tallies = [Tally::default(); 4];
+    let mut histograms: Vec<Option<hdrhistogram::Histogram<u64>>> = vec![None; 4];
+    let slice = Duration::from_secs_f64(args.seconds / f64::from(args.rounds.max(1)));
+    for _ in 0..args.rounds.max(1) {
+        for (i, scenario) in Scenario::ALL.into_iter().enumerate() {
+            let t = measure(client, workers, scenario, slice).await?;
+            tallies[i].requests += t.requests;
+            tallies[i].seconds += t.seconds;
+            let h = client.take_latency();
+            match &mut histograms[i] {
+                Some(acc) => acc.add(&h).context("merging histograms")?,
+                slot => *slot = Some(h),
+            }
+        }
+    }
+    let rate = |i: usize| tallies[i].requests as f64 / tallies[i].seconds;
+    for (i, scenario) in Scenario::ALL.into_iter().enumerate() {
+        let h = histograms[i].as_ref().expect("measured");
+        println!(
+            "{:<46} {:>5} {:>10.0} {:>9.2} {:>9.2}",
+            scenario.name(),
+            concurrency,
+            rate(i),
+            h.value_at_quantile(0.5) as f64 / 1000.0,
+            h.value_at_quantile(0.99) as f64 / 1000.0
+        );
+    }
+    let ratios = Ratios {
+        first_request: rate(0) / rate(1),
+        replay: rate(2) / rate(3),
+    };
+    println!(
+        "{label} c={concurrency}: first request / unprotected = {:.2}x (target >= 0.6), replay / plain read = {:.2}x (target >= 0.9)",
+        ratios.first_request, ratios.replay
+    );
+    Ok(ratios)
+}
+
+/// Prints the table header.
+pub(crate) fn print_header(label: &str) {
+    println!("\n== {label} ==");
+    println!(
+        "{:<46} {:>5} {:>10} {:>9} {:>9}",
+        "scenario", "conc", "req/s", "p50 ms", "p99 ms"
+    );
+}
+
+/// Starts the shop on `url` with the bench routes.
+pub(crate) async fn start_shop(
+    url: &str,
+    args: &BenchArgs,
+) -> anyhow::Result<(app::Running, Client)> {
     let mut config = Config::new(url);
     config.bench_routes = true;
     config.max_connections = 40;
     config.replay_cache = args.replay_cache;
     let running = app::start(&config, "127.0.0.1:0").await?;
     let client = Client::new(vec![running.url()]);
+    Ok((running, client))
+}
+
+async fn bench_backend(label: &str, url: &str, args: &BenchArgs) -> anyhow::Result<()> {
+    let (_running, client) = start_shop(url, args).await?;
     let run = uuid::Uuid::new_v4().simple().to_string()[..8].to_owned();
-    println!("\n== {label} ==");
-    println!(
-        "{:<46} {:>5} {:>10} {:>9} {:>9}",
-        "scenario", "conc", "req/s", "p50 ms", "p99 ms"
-    );
+    print_header(label);
     for &concurrency in &args.concurrency {
         let workers = prepare(&client, &format!("{run}-c{concurrency}"), concurrency).await?;
-        // Warm-up, not counted.
-        for scenario in Scenario::ALL {
-            measure(&client, &workers, scenario, Duration::from_millis(300)).await?;
-        }
-        client.take_latency();
-        let mut tallies = [Tally::default(); 4];
-        let mut histograms: Vec<Option<hdrhistogram::Histogram<u64>>> = vec![None; 4];
-        let slice = Duration::from_secs_f64(args.seconds / f64::from(args.rounds.max(1)));
-        for _ in 0..args.rounds.max(1) {
-            for (i, scenario) in Scenario::ALL.into_iter().enumerate() {
-                let t = measure(&client, &workers, scenario, slice).await?;
-                tallies[i].requests += t.requests;
-                tallies[i].seconds += t.seconds;
-                let h = client.take_latency();
-                match &mut histograms[i] {
-                    Some(acc) => acc.add(&h).context("merging histograms")?,
-                    slot => *slot = Some(h),
-                }
-            }
-        }
-        let rate = |i: usize| tallies[i].requests as f64 / tallies[i].seconds;
-        for (i, scenario) in Scenario::ALL.into_iter().enumerate() {
-            let h = histograms[i].as_ref().expect("measured");
-            println!(
-                "{:<46} {:>5} {:>10.0} {:>9.2} {:>9.2}",
-                scenario.name(),
-                concurrency,
-                rate(i),
-                h.value_at_quantile(0.5) as f64 / 1000.0,
-                h.value_at_quantile(0.99) as f64 / 1000.0
-            );
-        }
-        println!(
-            "{label} c={concurrency}: first request / unprotected = {:.2}x (target >= 0.6), replay / plain read = {:.2}x (target >= 0.9)",
-            rate(0) / rate(1),
-            rate(2) / rate(3)
-        );
+        measure_concurrency(&client, &workers, args, label).await?;
     }
     Ok(())
 }

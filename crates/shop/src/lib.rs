@@ -27,6 +27,7 @@ pub mod providers;
 pub mod purchase;
 pub mod router;
 pub mod routes;
+pub mod scale;
 pub mod state;
 pub mod storm;
 pub mod tx;

@@ -6,6 +6,7 @@ use shop::{
     app,
     bench::{self, BenchArgs},
     providers::Faults,
+    scale::{self, ScaleArgs},
     state::Config,
     storm::{self, StormArgs},
     worker::{self, WorkerArgs},
@@ -28,6 +29,8 @@ enum Command {
     Storm(StormArgs),
     /// Measure the middleware's cost against the same handler without it.
     Bench(BenchArgs),
+    /// The benchmark on PostgreSQL with millions of keys in the table, and during a purge.
+    Scale(ScaleArgs),
     /// Consume the purchase events (points and receipts) from RabbitMQ, exactly once each.
     Worker(WorkerArgs),
 }
@@ -118,6 +121,7 @@ async fn main() -> anyhow::Result<()> {
     match cli.command {
         Some(Command::Storm(args)) => storm::run(args).await,
         Some(Command::Bench(args)) => bench::run(args).await,
+        Some(Command::Scale(args)) => scale::run(args).await,
         Some(Command::Worker(args)) => worker::run(args).await,
         None => serve(cli.serve).await,
     }
