@@ -6,9 +6,11 @@
 # Starts one `shop` process (release build; the embedded SQLite default in a temporary folder
 # unless DATABASE_URL is given), drives it with back-to-back `shop storm --url …` rounds (48
 # users, 18 operations each, 4 copies of every request, providers failing and slow) for SECONDS
-# (default 600), and samples the process's VmRSS from /proc every 5 s. Prints every sample, then
-# the RSS after the first minute (warm-up), the peak, the growth from the second minute to the
-# last minute, and the slope after warm-up (a least-squares fit, MB per 10 minutes).
+# (default 600), and samples the process's VmRSS (and its anonymous, file and shared parts) from
+# /proc every 5 s. Prints every sample, then the RSS after the first minute (warm-up), the peak,
+# the growth from the second minute to the last minute, and the slope after warm-up (a
+# least-squares fit, MB per 10 minutes). SHOP_ARGS adds flags to the shop, e.g.
+# SHOP_ARGS=--heap-trim-ms=0 for glibc's default behaviour.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seconds=${1:-600}
@@ -18,7 +20,7 @@ port=${RSS_PORT:-18181}
 shop=target/release/shop
 [ -x "$shop" ] || cargo build --release -p shop >&2
 
-"$shop" --listen "127.0.0.1:$port" --database-url "$url" \
+"$shop" --listen "127.0.0.1:$port" --database-url "$url" ${SHOP_ARGS:-} \
     --payment-latency-ms 5 --payment-fail-rate 0.1 --mail-fail-rate 0.05 >"$work/serve.log" 2>&1 &
 pid=$!
 trap 'kill $pid 2>/dev/null; wait $pid 2>/dev/null || true' EXIT
@@ -43,7 +45,8 @@ driver=$!
 : >"$work/samples"
 while kill -0 $driver 2>/dev/null; do
     elapsed=$(( $(date +%s) - start ))
-    kb=$(awk '/VmRSS/ {print $2}' "/proc/$pid/status")
+    # VmRSS, then its parts: anonymous (the heap), file-backed, shared (SQLite's -shm).
+    kb=$(awk '/^(VmRSS|RssAnon|RssFile|RssShmem):/ {printf "%s ", $2}' "/proc/$pid/status")
     echo "$elapsed $kb" | tee -a "$work/samples"
     sleep 5
 done

@@ -251,6 +251,33 @@ pub enum StepError {
     Serialization(#[from] serde_json::Error),
 }
 
+impl StepError {
+    /// Whether this is the database saying "not now" (unavailable, a deadlock, a serialization
+    /// failure), from the store or from a local step's own queries: nothing was decided, and the
+    /// same work may be tried again.
+    ///
+    /// ```
+    /// use idempotency::StepError;
+    /// let outage = StepError::Local { step: "order".into(), source: Box::new(sqlx::Error::PoolTimedOut) };
+    /// assert!(outage.is_unavailable());
+    /// assert!(!StepError::NotDone { step: "charge".into() }.is_unavailable());
+    /// ```
+    pub fn is_unavailable(&self) -> bool {
+        match self {
+            StepError::Store(store) => store.is_unavailable(),
+            StepError::Local { source, .. } => {
+                source
+                    .downcast_ref::<sqlx::Error>()
+                    .is_some_and(is_unavailable_error)
+                    || source
+                        .downcast_ref::<StoreError>()
+                        .is_some_and(StoreError::is_unavailable)
+            }
+            _ => false,
+        }
+    }
+}
+
 impl From<sqlx::Error> for StepError {
     fn from(error: sqlx::Error) -> Self {
         StepError::Store(error.into())

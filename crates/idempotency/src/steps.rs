@@ -1,7 +1,7 @@
 //! Durable steps: an operation that calls outside services, written as a sequence of **local
 
 use crate::{
-    error::{is_unavailable_error, BoxError, PerformError, StepError, StoreError},
+    error::{BoxError, PerformError, StepError},
     fingerprint::canonical_json,
     lease::Lease,
     store::{KeyRecord, Progress, Store},
@@ -709,7 +709,7 @@ impl<S: Store> Steps<S> {
                 self.lease.release_now().await;
                 PerformError::Released(error)
             }
-            error if is_not_now(&error) => {
+            error if error.is_unavailable() => {
                 // The database said "not now" (unreachable, full, a deadlock): no outside
                 // outcome became less certain, so this is not counted toward parking. The key
                 // stays pending with its recovery point, unextended, and whoever holds it after
@@ -727,23 +727,6 @@ impl<S: Store> Steps<S> {
                 }
             }
         }
-    }
-}
-
-/// Whether `error` is the database's "not now" ([`StoreError::is_unavailable`]), met by the
-/// store or by a local step's own transaction.
-fn is_not_now(error: &StepError) -> bool {
-    match error {
-        StepError::Store(store) => store.is_unavailable(),
-        StepError::Local { source, .. } => {
-            source
-                .downcast_ref::<sqlx::Error>()
-                .is_some_and(is_unavailable_error)
-                || source
-                    .downcast_ref::<StoreError>()
-                    .is_some_and(StoreError::is_unavailable)
-        }
-        _ => false,
     }
 }
 

@@ -50,6 +50,9 @@ CREATE TABLE IF NOT EXISTS shop_emails (
     created_at TIMESTAMPTZ NOT NULL DEFAULT now()
 );
 
+-- The ledger counts a user's e-mails: without it, a scan of the whole table on every read.
+CREATE INDEX IF NOT EXISTS shop_emails_user ON shop_emails (user_id);
+
 -- The transactional outbox: a paid purchase's event, written in the purchase's transaction,
 -- deleted by the relay once the broker confirmed it.
 CREATE TABLE IF NOT EXISTS shop_outbox (

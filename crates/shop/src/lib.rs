@@ -19,6 +19,7 @@ pub mod bench;
 pub mod client;
 pub mod db;
 pub mod events;
+pub mod heap;
 pub mod metrics;
 pub mod outbox;
 pub mod problem;

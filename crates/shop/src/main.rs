@@ -72,6 +72,10 @@ struct ServeArgs {
     /// ones.
     #[arg(long, default_value_t = 1_000)]
     worker_interval_ms: u64,
+    /// Hand the allocator's free pages back to the kernel every this many milliseconds (glibc
+    /// keeps them otherwise; see `shop::heap`); 0 never does.
+    #[arg(long, default_value_t = 2_000)]
+    heap_trim_ms: u64,
     /// Run no maintenance worker (another process runs it, or `idem recover` does).
     #[arg(long)]
     no_worker: bool,
@@ -149,6 +153,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     config.amqp_url = args.amqp_url.clone();
     config.outbox_duplicate_share = args.outbox_duplicate_share;
     let running = app::start(&config, &args.listen).await?;
+    let _trimming = (args.heap_trim_ms > 0)
+        .then(|| shop::heap::trim_periodically(Duration::from_millis(args.heap_trim_ms)));
     if let (true, Some(amqp_url)) = (args.consume, args.amqp_url.clone()) {
         let consuming = WorkerArgs {
             database_url: args.database_url.clone(),

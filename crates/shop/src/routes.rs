@@ -26,7 +26,7 @@ use axum::{
     response::{IntoResponse, Response},
     Extension, Json,
 };
-use idempotency::{Finished, Idempotency, IdempotencyKey, PerformError, StepError};
+use idempotency::{Finished, Idempotency, IdempotencyKey, PerformError};
 use idempotency_http::{KeyLease, StoredResponse};
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -156,7 +156,7 @@ fn perform_problem(error: PerformError) -> Problem {
             "another worker carries this purchase on; retry with the same Idempotency-Key",
         )
         .with_retry_after(std::time::Duration::from_secs(1)),
-        PerformError::Released(error) if is_transient(&error) => Problem::shop(
+        PerformError::Released(error) if error.is_unavailable() => Problem::shop(
             StatusCode::SERVICE_UNAVAILABLE,
             "database",
             "Database unavailable",
@@ -182,19 +182,6 @@ fn perform_problem(error: PerformError) -> Problem {
                 "nothing was kept; retry with the same Idempotency-Key",
             )
         }
-    }
-}
-
-/// Whether a step failed for a reason a retry may not meet: the store unavailable, or the
-/// database rolling a step's transaction back to break a deadlock (InnoDB picks a victim when
-/// two purchases of one user lock their rows in turn).
-fn is_transient(error: &StepError) -> bool {
-    match error {
-        StepError::Store(e) => e.is_unavailable(),
-        StepError::Local { source, .. } => source
-            .downcast_ref::<sqlx::Error>()
-            .is_some_and(idempotency::is_unavailable_error),
-        _ => false,
     }
 }
 
