@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Starts or stops the MariaDB server CI runs without systemd: `bash .ci/mariadb-ctl.sh start|stop`.
-# `start` returns once the server answers; `stop` once it has shut down. The fault proof
-# (`faults --backend mysql`, scenario db-restart) restarts MariaDB through this script.
+# Starts, stops or crashes the MariaDB server CI runs without systemd:
+# `bash .ci/mariadb-ctl.sh start|stop|crash`. `start` returns once the server answers; `stop` once
+# it has shut down; `crash` SIGKILLs it and returns once it is gone (InnoDB recovers on start).
+# The fault proof (`faults --backend mysql`, scenarios db-restart and db-crash) goes through it.
 set -euo pipefail
 socket=/run/mysqld/mysqld.sock
 ping() { mariadb-admin --socket="$socket" ping >/dev/null 2>&1; }
@@ -29,8 +30,16 @@ case "${1:-}" in
       exit 1
     fi
     ;;
+  crash)
+    pkill -KILL -x mariadbd || true
+    for _ in $(seq 1 240); do pgrep -x mariadbd >/dev/null || break; sleep 0.25; done
+    if pgrep -x mariadbd >/dev/null; then
+      echo "mariadb-ctl: MariaDB did not die" >&2
+      exit 1
+    fi
+    ;;
   *)
-    echo "usage: $0 start|stop" >&2
+    echo "usage: $0 start|stop|crash" >&2
     exit 2
     ;;
 esac

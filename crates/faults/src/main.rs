@@ -1,5 +1,5 @@
 //! `faults`: the fault proof of the demo shop on a real PostgreSQL, a real MariaDB and SQLite
-//! (`--backend`; `lost-ack` and `db-restart` need a database server and run on PostgreSQL and
+//! (`--backend`; `lost-ack`, `db-restart` and `db-crash` need a database server and run on PostgreSQL and
 //! MariaDB; `consumer-kill9` runs its shop on PostgreSQL and needs RabbitMQ at `TEST_AMQP_URL`;
 //! `disk-full` runs on SQLite and needs root to mount a tmpfs). Each scenario
 //! starts real `shop` processes, injects a fault, lets the shop's worker settle what the clients
@@ -25,7 +25,7 @@ mod scenarios;
 mod shop_process;
 
 use clap::{Parser, ValueEnum};
-use scenarios::Backend;
+use scenarios::{Backend, Shutdown};
 use std::{
     path::PathBuf,
     time::{Duration, Instant},
@@ -36,6 +36,7 @@ enum Scenario {
     Kill9,
     LostAck,
     DbRestart,
+    DbCrash,
     SlowWorker,
     Hostile,
     CrossTenant,
@@ -46,11 +47,11 @@ enum Scenario {
 
 impl Scenario {
     /// Whether the scenario runs on `backend`: a lost COMMIT acknowledgement and a database
-    /// restart need a database server; the queue consumer's scenario runs its shop on PostgreSQL;
+    /// restart or crash need a database server; the queue consumer's scenario runs its shop on PostgreSQL;
     /// a full disk is made under the SQLite files.
     fn runs_on(self, backend: Backend) -> bool {
         match self {
-            Scenario::LostAck | Scenario::DbRestart => backend.is_server(),
+            Scenario::LostAck | Scenario::DbRestart | Scenario::DbCrash => backend.is_server(),
             Scenario::ConsumerKill9 => backend == Backend::Postgres,
             // A full disk under the shop's own files: a tmpfs this process mounts.
             Scenario::DiskFull => backend == Backend::Sqlite,
@@ -113,12 +114,13 @@ struct Args {
         default_value = "env RABBITMQ_NODENAME=rabbit@localhost ERL_EPMD_ADDRESS=127.0.0.1 rabbitmqctl -q"
     )]
     rabbitmq_ctl: String,
-    /// Command controlling PostgreSQL, split on spaces; `stop` / `start` are appended
-    /// (default: `pg_ctlcluster --skip-systemctl-redirect $PG_VERSION main`).
+    /// Command controlling PostgreSQL, split on spaces; `stop` / `start` / `stop -m immediate`
+    /// (the crash) are appended (default: `pg_ctlcluster --skip-systemctl-redirect $PG_VERSION
+    /// main`).
     #[arg(long, env = "FAULTS_POSTGRES_CTL")]
     postgres_ctl: Option<String>,
-    /// Command controlling MariaDB, split on spaces; `stop` / `start` are appended (CI starts
-    /// MariaDB without systemd, through this script).
+    /// Command controlling MariaDB, split on spaces; `stop` / `start` / `crash` (SIGKILL) are
+    /// appended (CI starts MariaDB without systemd, through this script).
     #[arg(
         long,
         env = "FAULTS_MYSQL_CTL",
@@ -149,6 +151,7 @@ async fn main() {
         Scenario::Kill9,
         Scenario::LostAck,
         Scenario::DbRestart,
+        Scenario::DbCrash,
         Scenario::SlowWorker,
         Scenario::Hostile,
         Scenario::CrossTenant,
@@ -204,7 +207,8 @@ async fn run(
     match scenario {
         Scenario::Kill9 => scenarios::kill9(env, backend, args.kills).await,
         Scenario::LostAck => scenarios::lost_ack(env, backend, args.trials).await,
-        Scenario::DbRestart => scenarios::db_restart(env, backend).await,
+        Scenario::DbRestart => scenarios::db_restart(env, backend, Shutdown::Clean).await,
+        Scenario::DbCrash => scenarios::db_restart(env, backend, Shutdown::Crash).await,
         Scenario::SlowWorker => scenarios::slow_worker(env, backend, args.trials.min(5)).await,
         Scenario::Hostile => scenarios::hostile(env, backend).await,
         Scenario::CrossTenant => scenarios::cross_tenant(env, backend, args.trials).await,

@@ -1,7 +1,7 @@
 //! The fault scenarios. Each runs on a fresh database of the backend it is given (a PostgreSQL
-//! or MariaDB database, or a SQLite file in a temporary folder; `lost-ack` and `db-restart` need
-//! a database server and run on PostgreSQL and MariaDB), prints its counts, and fails on any
-//! duplicated charge, lost key, unsettled key, unclear answer or (SQLite) a failed
+//! or MariaDB database, or a SQLite file in a temporary folder; `lost-ack`, `db-restart` and
+//! `db-crash` need a database server and run on PostgreSQL and MariaDB), prints its counts, and
+//! fails on any duplicated charge, lost key, unsettled key, unclear answer or (SQLite) a failed
 //! `PRAGMA integrity_check`.
 
 use crate::{
@@ -495,16 +495,49 @@ fn server_address(db: &str) -> Result<(String, impl Fn(u16) -> String + '_)> {
     Ok((server, proxied))
 }
 
-/// The database server (PostgreSQL or MariaDB) restarts mid-storm: answers are 503 problem JSON
-/// meanwhile, the shop recovers by itself, and the invariants hold.
-pub async fn db_restart(env: &Env, backend: Backend) -> Result<()> {
+/// How the database server goes down in [`db_restart`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Shutdown {
+    /// A clean stop (`stop`): the server writes and flushes its log first.
+    Clean,
+    /// A crash: PostgreSQL `stop -m immediate` (every server process quits at once, without
+    /// writing its WAL buffers, so commits made with `synchronous_commit = off` that were still
+    /// in them are lost; crash recovery on start), MariaDB SIGKILL (`crash` of the control
+    /// script). The process crashes, the machine does not: what reached the kernel survives.
+    Crash,
+}
+
+impl Shutdown {
+    /// The words appended to the backend's control command to go down this way.
+    fn action(self, backend: Backend) -> &'static [&'static str] {
+        match (self, backend) {
+            (Shutdown::Clean, _) => &["stop"],
+            (Shutdown::Crash, Backend::Mysql) => &["crash"],
+            (Shutdown::Crash, _) => &["stop", "-m", "immediate"],
+        }
+    }
+
+    fn scenario(self) -> &'static str {
+        match self {
+            Shutdown::Clean => "db-restart",
+            Shutdown::Crash => "db-crash",
+        }
+    }
+}
+
+/// The database server (PostgreSQL or MariaDB) stops (cleanly or by a crash) mid-storm and
+/// starts again: answers are 503 problem JSON meanwhile, the shop recovers by itself, and the
+/// invariants hold. The crash is the proof of the reservation's relaxed durability on
+/// PostgreSQL (`synchronous_commit = off` for local work and durable operations): a reservation
+/// lost in the crash leaves nothing behind, because the work it guarded had not committed.
+pub async fn db_restart(env: &Env, backend: Backend, shutdown: Shutdown) -> Result<()> {
     let db = backend.fresh_server_database().await?;
     let mut shop = ShopProcess::start(&env.shop_bin, &db, &as_strs(&env.shop_args())).await?;
     let stop = Arc::new(AtomicBool::new(false));
     let workers = purchase_workers(shop.url(), 6, stop.clone());
     tokio::time::sleep(Duration::from_secs(2)).await;
     let down = Instant::now();
-    command::run(backend.ctl(env), &["stop"]).await?;
+    command::run(backend.ctl(env), shutdown.action(backend)).await?;
     tokio::time::sleep(Duration::from_secs(5)).await; // longer than the shop's 3 s acquire timeout
     command::run(backend.ctl(env), &["start"]).await?;
     let restart_took = down.elapsed();
@@ -517,13 +550,17 @@ pub async fn db_restart(env: &Env, backend: Backend) -> Result<()> {
     let verdict = settle_and_check(env, &db, &ops).await?;
     let recovered = recover(env, &db).await?;
     let outage = Outage::of(&ops);
+    let name = shutdown.scenario();
     println!(
-        "faults: db-restart: database down for {:.1}s, {} operations, {outage}; then idem recover: {recovered}",
+        "faults: {name}: database down for {:.1}s, {} operations, {outage}; then idem recover: {recovered}",
         restart_took.as_secs_f64(),
         ops.len()
     );
-    print_verdict("db-restart", &verdict);
-    outage.ensure_seen_and_explained("the restart")
+    print_verdict(name, &verdict);
+    outage.ensure_seen_and_explained(match shutdown {
+        Shutdown::Clean => "the restart",
+        Shutdown::Crash => "the crash",
+    })
 }
 
 /// A handler stalls past its lease while a retry takes the key over: the stale worker's commit

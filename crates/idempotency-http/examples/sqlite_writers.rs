@@ -2,7 +2,8 @@
 //! handler without the layer, and how long concurrent new keys wait for the writer.
 //!
 //! ```text
-//! cargo run --release -p idempotency-http --example sqlite_writers -- [SECONDS] [ROUNDS] [TRIALS]
+//! cargo run --release -p idempotency-http --features sqlite --example sqlite_writers -- \
+//!     [SECONDS] [ROUNDS] [TRIALS]
 //! ```
 //!
 //! The handler inserts one row and works 5 ms (a sleep) inside its transaction, then answers

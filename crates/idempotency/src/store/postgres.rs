@@ -84,6 +84,9 @@ const RESERVE: &str = reserve_sql!();
 ///
 /// Other external work may have its outside effect before any commit, so its reservation is
 /// flushed before the work starts.
+///
+/// Proved by crashing PostgreSQL mid-storm (`faults --backend postgres --only db-crash`:
+/// `stop -m immediate`, whose processes quit without writing their WAL buffers).
 fn reservation_durability(row: &PendingRow<'_>) -> &'static str {
     match row.effects {
         Effects::Local => "off",
