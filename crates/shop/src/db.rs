@@ -457,7 +457,9 @@ async fn sqlite_pool(path: &str, max: u32) -> anyhow::Result<SqlitePool> {
     let options = SqliteConnectOptions::from_str(&format!("sqlite://{path}"))?
         .create_if_missing(true)
         .journal_mode(SqliteJournalMode::Wal)
-        .synchronous(SqliteSynchronous::Normal)
+        // Every commit synced (a paid order must survive a power loss); the store relaxes only
+        // the reservations that may be (`PendingRow::must_flush_reservation`).
+        .synchronous(SqliteSynchronous::Full)
         .busy_timeout(Duration::from_secs(30));
     // Never reuse a connection whose transaction SQLite rolled back by itself (a full disk).
     Ok(SqliteStore::pool_options()

@@ -283,6 +283,44 @@ impl PendingRow<'_> {
     pub fn retention_millis(&self) -> i64 {
         millis(self.retention)
     }
+
+    /// Whether this reservation must reach the disk on its own, before the work starts.
+    ///
+    /// Only for external work that is not journaled: it may have its outside effect before any
+    /// commit of its own, so a reservation lost in a crash would leave that effect without a key.
+    /// Every other reservation may commit without waiting for its flush
+    /// (`synchronous_commit = off` on PostgreSQL, `synchronous = NORMAL` on SQLite), because the
+    /// first flushed commit after it flushes it too (logs are written in order), and nothing
+    /// outside the database happens before that commit:
+    /// * [`Effects::Local`] work: its completion commits with the work, flushed; a crash before
+    ///   it loses only a reservation whose work cannot have committed either (a retry runs it,
+    ///   once);
+    /// * a journaled durable operation: every outside call comes after a flushed recovery
+    ///   point.
+    ///
+    /// Proved by crashing the database mid-storm (`faults --only db-crash`).
+    ///
+    /// ```
+    /// # use idempotency::*;
+    /// # use std::time::Duration;
+    /// let key = IdempotencyKey::new("user-1", "charge", "k1")?;
+    /// let mut row = PendingRow {
+    ///     key: &key,
+    ///     fingerprint: Fingerprint::of_bytes(b"request"),
+    ///     token: LeaseToken::new(),
+    ///     effects: Effects::External,
+    ///     journaled: false,
+    ///     lease: Duration::from_secs(60),
+    ///     retention: Duration::from_secs(86_400),
+    /// };
+    /// assert!(row.must_flush_reservation());
+    /// row.journaled = true;
+    /// assert!(!row.must_flush_reservation());
+    /// # Ok::<(), InvalidKey>(())
+    /// ```
+    pub fn must_flush_reservation(&self) -> bool {
+        self.effects == Effects::External && !self.journaled
+    }
 }
 
 /// A duration as whole milliseconds for SQL, saturating.
@@ -592,23 +630,22 @@ pub(crate) async fn read_conflict<S: Store>(
     })
 }
 
-/// Begins a transaction in a task of its own, so that cancelling the caller mid-`BEGIN` cannot
-/// leave a transaction open on a pooled connection. sqlx 0.8 may acknowledge a `BEGIN` after its
-/// caller was dropped, which leaves an open transaction nobody owns (on SQLite it holds the write
-/// lock for good). The task always runs to the end, and a transaction its caller no longer waits
-/// for is dropped there, which rolls it back.
+/// Runs `work` in a task of its own, to the end even when its caller is cancelled, so that
+/// cancelling the caller midway cannot leave a pooled connection in a state nobody restores.
+/// For `BEGIN`: sqlx 0.8 may acknowledge a `BEGIN` after its caller was dropped, which leaves an
+/// open transaction nobody owns (on SQLite it holds the write lock for good); in the task, a
+/// transaction its caller no longer waits for is dropped, which rolls it back. For SQLite's
+/// relaxed reservation: the connection's `synchronous` level is always put back.
 #[cfg_attr(
     not(any(feature = "postgres", feature = "sqlite", feature = "mysql")),
     allow(dead_code)
 )]
-pub(crate) async fn begin_uncancellable<DB, F>(
-    begin: F,
-) -> Result<sqlx::Transaction<'static, DB>, StoreError>
+pub(crate) async fn uncancellable<T, F>(work: F) -> Result<T, StoreError>
 where
-    DB: sqlx::Database,
-    F: Future<Output = Result<sqlx::Transaction<'static, DB>, StoreError>> + Send + 'static,
+    T: Send + 'static,
+    F: Future<Output = Result<T, StoreError>> + Send + 'static,
 {
-    tokio::spawn(begin)
+    tokio::spawn(work)
         .await
         .map_err(|_| StoreError::Database(sqlx::Error::WorkerCrashed))?
 }

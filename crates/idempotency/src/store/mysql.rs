@@ -380,7 +380,7 @@ impl Store for MySqlStore {
 
     async fn begin(&self) -> Result<Transaction<'static, MySql>, StoreError> {
         let pool = self.pool.clone();
-        super::begin_uncancellable(async move { Ok(pool.begin().await?) }).await
+        super::uncancellable(async move { Ok(pool.begin().await?) }).await
     }
 
     async fn complete(

@@ -2,7 +2,7 @@
 
 use super::migration::{self, Bookkeeping, Migration};
 use super::row::KeyRow;
-use super::{millis, Effects, Insertion, KeyRecord, LeaseToken, PendingRow, Store};
+use super::{millis, Insertion, KeyRecord, LeaseToken, PendingRow, Store};
 use crate::{error::StoreError, Fingerprint, IdempotencyKey};
 use sqlx::{postgres::PgRow, PgPool, Postgres, Row, Transaction};
 use std::{collections::HashMap, sync::Arc, time::Duration};
@@ -74,24 +74,13 @@ macro_rules! reserve_sql {
 }
 const RESERVE: &str = reserve_sql!();
 
-/// `synchronous_commit` for a reservation. A reservation need not be flushed on its own when a
-/// crash before the work's first flushed commit cannot leave an outside effect behind:
-/// * [`Effects::Local`] work: its completion commits with the work, synchronously; log records
-///   are flushed in order, so that commit makes the reservation durable too, and a crash before
-///   it loses only a reservation whose work cannot have committed either (a retry runs it, once);
-/// * a durable operation ([`PendingRow::journaled`]): every outside call comes after a committed
-///   recovery point, whose synchronous commit flushes the reservation likewise.
-///
-/// Other external work may have its outside effect before any commit, so its reservation is
-/// flushed before the work starts.
-///
-/// Proved by crashing PostgreSQL mid-storm (`faults --backend postgres --only db-crash`:
-/// `stop -m immediate`, whose processes quit without writing their WAL buffers).
+/// `synchronous_commit` for a reservation: `off` unless it must be flushed on its own
+/// ([`PendingRow::must_flush_reservation`], which gives the argument and its proof).
 fn reservation_durability(row: &PendingRow<'_>) -> &'static str {
-    match row.effects {
-        Effects::Local => "off",
-        Effects::External if row.journaled => "off",
-        Effects::External => "on",
+    if row.must_flush_reservation() {
+        "on"
+    } else {
+        "off"
     }
 }
 
@@ -296,7 +285,7 @@ impl Store for PgStore {
 
     async fn begin(&self) -> Result<Transaction<'static, Postgres>, StoreError> {
         let pool = self.pool.clone();
-        super::begin_uncancellable(async move { Ok(pool.begin().await?) }).await
+        super::uncancellable(async move { Ok(pool.begin().await?) }).await
     }
 
     async fn complete(

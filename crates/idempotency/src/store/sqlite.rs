@@ -7,8 +7,8 @@ use crate::{error::StoreError, Fingerprint, IdempotencyKey};
 use chrono::{DateTime, Utc};
 use sqlx::{
     sqlite::{
-        SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteRow, SqliteSynchronous,
-        SqliteTransactionManager,
+        SqliteArguments, SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteRow,
+        SqliteSynchronous, SqliteTransactionManager,
     },
     Row, Sqlite, SqlitePool, Transaction, TransactionManager,
 };
@@ -95,12 +95,18 @@ const FIND: &str = concat!(
 /// file (the `idem` CLI) makes them wait on the busy timeout rather than fail on a lock upgrade.
 ///
 /// A reservation first reads the row (replays and duplicates are then cheap reads), and only for
-/// an absent key INSERTs under the primary key, which decides alone who holds the key. The
-/// reservation commits with the database's `synchronous` setting; with WAL and
-/// `synchronous = NORMAL` (what [`SqliteStore::connect`] sets), a commit survives a crash of the
-/// process but not of the machine's power, the same bargain as PostgreSQL's
-/// `synchronous_commit = off` for journaled reservations: a lost reservation leaves nothing
-/// behind, because the work it guarded committed after it (the WAL is ordered).
+/// an absent key INSERTs under the primary key, which decides alone who holds the key.
+///
+/// Durability: [`SqliteStore::connect`] opens the file in WAL mode with `synchronous = FULL`, so
+/// every commit (a completion, a recovery point, a release) syncs the log before it returns and
+/// survives a power loss. A reservation that need not be flushed on its own
+/// ([`PendingRow::must_flush_reservation`]: local work, journaled durable operations) commits
+/// with `synchronous = NORMAL` on the writer connection, which is then set back: the next synced
+/// commit in the same write-ahead log syncs it too, as PostgreSQL's `synchronous_commit = off`
+/// does for the same reservations. Heartbeats commit at `NORMAL` too (a power cut ends their
+/// holder as well). A pool opened at `NORMAL` or `OFF` (the application's choice,
+/// through [`SqliteStore::new`]) is left as it is: its commits survive a crash of the process but
+/// not of the machine's power.
 #[derive(Debug, Clone)]
 pub struct SqliteStore {
     pool: SqlitePool,
@@ -121,12 +127,13 @@ impl SqliteStore {
         Self { pool, writer }
     }
 
-    /// Opens (creating if missing) a database file in WAL mode with a 30 s busy timeout.
+    /// Opens (creating if missing) a database file in WAL mode with `synchronous = FULL` and a
+    /// 30 s busy timeout.
     pub async fn connect(url: &str) -> Result<Self, StoreError> {
         let options = SqliteConnectOptions::from_str(url)?
             .create_if_missing(true)
             .journal_mode(SqliteJournalMode::Wal)
-            .synchronous(SqliteSynchronous::Normal)
+            .synchronous(SqliteSynchronous::Full)
             .busy_timeout(Duration::from_secs(30));
         let pool = Self::pool_options()
             .max_connections(8)
@@ -217,6 +224,55 @@ fn record(row: &SqliteRow) -> Result<KeyRecord, StoreError> {
     .into_record()
 }
 
+/// An autocommit statement for the writer connection, its arguments owned (it runs in a task).
+type WriterStatement = sqlx::query::Query<'static, Sqlite, SqliteArguments<'static>>;
+
+/// Runs `statement` (autocommit) on a connection of `writer`, in a task that always runs to the
+/// end; returns the rows it changed.
+///
+/// `relaxed`: where the connection syncs every commit (`FULL`, `EXTRA`), this one commit runs at
+/// `synchronous = NORMAL`, and the connection's level is put back before it is released (a
+/// connection whose level cannot be put back is closed, not pooled). For writes whose loss in a
+/// power cut harms nothing: a reservation that need not be flushed on its own
+/// ([`PendingRow::must_flush_reservation`]: the next synced commit in the same write-ahead log
+/// syncs it too, in order), and a heartbeat (a power cut ends its holder with the machine).
+async fn execute_on_writer(
+    writer: &SqlitePool,
+    statement: WriterStatement,
+    relaxed: bool,
+) -> Result<u64, StoreError> {
+    let writer = writer.clone();
+    super::uncancellable(async move {
+        let mut conn = writer.acquire().await?;
+        let restore = if relaxed {
+            let level: i64 = sqlx::query_scalar("PRAGMA synchronous")
+                .fetch_one(&mut *conn)
+                .await?;
+            match level {
+                2 => Some("PRAGMA synchronous = FULL"),
+                3 => Some("PRAGMA synchronous = EXTRA"),
+                _ => None,
+            }
+        } else {
+            None
+        };
+        if restore.is_some() {
+            sqlx::query("PRAGMA synchronous = NORMAL")
+                .execute(&mut *conn)
+                .await?;
+        }
+        let done = statement.execute(&mut *conn).await;
+        if let Some(restore) = restore {
+            if let Err(error) = sqlx::query(restore).execute(&mut *conn).await {
+                conn.close_on_drop();
+                return Err(StoreError::Database(error));
+            }
+        }
+        Ok(done?.rows_affected())
+    })
+    .await
+}
+
 impl Store for SqliteStore {
     type Database = Sqlite;
 
@@ -232,7 +288,7 @@ impl Store for SqliteStore {
         if let Some(existing) = self.find(row.key).await? {
             return Ok(Insertion::Conflict(existing));
         }
-        let done = sqlx::query(concat!(
+        let statement = sqlx::query(concat!(
             "INSERT INTO idempotency_keys
                 (scope, operation, idem_key, state, effects, fingerprint, lease_token,
                  lease_until, created_at, updated_at, expires_at)
@@ -247,17 +303,17 @@ impl Store for SqliteStore {
             " + ?8)
              ON CONFLICT (scope, operation, idem_key) DO NOTHING"
         ))
-        .bind(row.key.scope())
-        .bind(row.key.operation())
-        .bind(row.key.key())
+        .bind(row.key.scope().to_owned())
+        .bind(row.key.operation().to_owned())
+        .bind(row.key.key().to_owned())
         .bind(row.effects.as_str())
-        .bind(row.fingerprint.as_bytes().as_slice())
-        .bind(row.token.0.as_bytes().as_slice())
+        .bind(row.fingerprint.as_bytes().to_vec())
+        .bind(row.token.0.as_bytes().to_vec())
         .bind(row.lease_millis())
-        .bind(row.retention_millis())
-        .execute(&self.writer)
-        .await?;
-        if done.rows_affected() == 1 {
+        .bind(row.retention_millis());
+        let relaxed = !row.must_flush_reservation();
+        let inserted = execute_on_writer(&self.writer, statement, relaxed).await? == 1;
+        if inserted {
             return Ok(Insertion::Inserted);
         }
         super::read_conflict(self, row.key).await
@@ -338,7 +394,7 @@ impl Store for SqliteStore {
 
     async fn begin(&self) -> Result<Transaction<'static, Sqlite>, StoreError> {
         let pool = self.writer.clone();
-        super::begin_uncancellable(async move {
+        super::uncancellable(async move {
             let mut conn = pool.acquire().await?;
             // A connection must never carry a transaction into the pool, but if one does (a
             // transaction leaked by a caller), `BEGIN IMMEDIATE` would fail with "non-zero
@@ -427,20 +483,19 @@ impl Store for SqliteStore {
         token: LeaseToken,
         lease: Duration,
     ) -> Result<bool, StoreError> {
-        let done = sqlx::query(concat!(
+        let statement = sqlx::query(concat!(
             "UPDATE idempotency_keys SET lease_until = ",
             now_ms!(),
             " + ?5 WHERE scope = ?1 AND operation = ?2 AND idem_key = ?3
                AND state = 'pending' AND lease_token = ?4"
         ))
-        .bind(key.scope())
-        .bind(key.operation())
-        .bind(key.key())
-        .bind(token.0.as_bytes().as_slice())
-        .bind(millis(lease))
-        .execute(&self.writer)
-        .await?;
-        Ok(done.rows_affected() == 1)
+        .bind(key.scope().to_owned())
+        .bind(key.operation().to_owned())
+        .bind(key.key().to_owned())
+        .bind(token.0.as_bytes().to_vec())
+        .bind(millis(lease));
+        // A heartbeat need not survive a power cut: its holder does not either.
+        Ok(execute_on_writer(&self.writer, statement, true).await? == 1)
     }
 
     async fn claim_for_recovery(
