@@ -539,6 +539,22 @@ pub async fn send_email(
     ))
 }
 
+// The ledger's reads, each of one user's rows. Every one must find them through an index: a
+// scan grows with the tables, and on SQLite each scan fills a connection's page cache (the shop's
+// memory grew with the e-mail table until `shop_emails (user_id)` was indexed).
+// `tests::every_ledger_read_searches_an_index` checks SQLite's plans.
+const LEDGER_BALANCE: &str = "SELECT balance_cents FROM shop_users WHERE id = $1";
+const LEDGER_ORDERS: &str = "SELECT id, sku, quantity, amount_cents, status, charge_id
+     FROM shop_orders WHERE user_id = $1 ORDER BY id";
+const LEDGER_POINTS: &str = "SELECT CAST(COALESCE(SUM(points), 0) AS BIGINT), COUNT(*)
+     FROM shop_point_grants WHERE user_id = $1";
+const LEDGER_POINTS_MYSQL: &str = "SELECT CAST(COALESCE(SUM(points), 0) AS SIGNED), COUNT(*)
+     FROM shop_point_grants WHERE user_id = $1";
+const LEDGER_EMAILS: &str = "SELECT COUNT(*) FROM shop_emails WHERE user_id = $1";
+const LEDGER_CHARGES: &str = "SELECT charge_id, amount_cents FROM payment_provider_charges
+     WHERE account = $1 ORDER BY charge_id";
+const LEDGER_MAILS: &str = "SELECT COUNT(*) FROM mail_provider_messages WHERE account = $1";
+
 /// `GET /users/{id}/ledger`: the user's money, points and mail, read straight from the tables
 /// (the shop's and the providers'), for checking invariants.
 pub async fn ledger(
@@ -560,35 +576,18 @@ pub async fn ledger(
     let (balance, orders, points, grants, recorded) = {
         let mut c = conn.conn();
         let balance: Option<i64> = c
-            .scalar_optional(sql("SELECT balance_cents FROM shop_users WHERE id = $1").bind(&id))
+            .scalar_optional(sql(LEDGER_BALANCE).bind(&id))
             .await
             .map_err(db)?;
         let orders: Vec<OrderRow> = c
-            .fetch_all(
-                sql(
-                    "SELECT id, sku, quantity, amount_cents, status, charge_id FROM shop_orders
-                     WHERE user_id = $1 ORDER BY id",
-                )
-                .bind(&id),
-            )
+            .fetch_all(sql(LEDGER_ORDERS).bind(&id))
             .await
             .map_err(db)?;
         let (points, grants): (i64, i64) = c
-            .fetch_one(
-                sql("SELECT CAST(COALESCE(SUM(points), 0) AS BIGINT), COUNT(*)
-                     FROM shop_point_grants WHERE user_id = $1")
-                .on_mysql(
-                    "SELECT CAST(COALESCE(SUM(points), 0) AS SIGNED), COUNT(*)
-                     FROM shop_point_grants WHERE user_id = $1",
-                )
-                .bind(&id),
-            )
+            .fetch_one(sql(LEDGER_POINTS).on_mysql(LEDGER_POINTS_MYSQL).bind(&id))
             .await
             .map_err(db)?;
-        let recorded: i64 = c
-            .scalar(sql("SELECT COUNT(*) FROM shop_emails WHERE user_id = $1").bind(&id))
-            .await
-            .map_err(db)?;
+        let recorded: i64 = c.scalar(sql(LEDGER_EMAILS).bind(&id)).await.map_err(db)?;
         (balance, orders, points, grants, recorded)
     };
     drop(conn);
@@ -596,19 +595,10 @@ pub async fn ledger(
     let (charges, sent) = {
         let mut c = conn.conn();
         let charges: Vec<(String, i64)> = c
-            .fetch_all(
-                sql(
-                    "SELECT charge_id, amount_cents FROM payment_provider_charges
-                     WHERE account = $1 ORDER BY charge_id",
-                )
-                .bind(&id),
-            )
+            .fetch_all(sql(LEDGER_CHARGES).bind(&id))
             .await
             .map_err(db)?;
-        let sent: i64 = c
-            .scalar(sql("SELECT COUNT(*) FROM mail_provider_messages WHERE account = $1").bind(&id))
-            .await
-            .map_err(db)?;
+        let sent: i64 = c.scalar(sql(LEDGER_MAILS).bind(&id)).await.map_err(db)?;
         (charges, sent)
     };
     let charged_total: i64 = charges.iter().map(|(_, amount)| amount).sum();
@@ -629,4 +619,59 @@ pub async fn ledger(
             "emails_recorded": recorded,
         })),
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// SQLite's plan of each ledger read on freshly migrated files: a `SEARCH` through an index
+    /// (or the primary key), never a `SCAN` of a table.
+    #[tokio::test]
+    async fn every_ledger_read_searches_an_index() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("shop.db");
+        let url = format!("sqlite://{}", path.display());
+        let (shop, providers) = crate::db::connect(&url, 2).await.unwrap();
+        shop.migrate().await.unwrap();
+        providers.migrate().await.unwrap();
+        let files = [
+            (
+                path.clone(),
+                vec![LEDGER_BALANCE, LEDGER_ORDERS, LEDGER_POINTS, LEDGER_EMAILS],
+            ),
+            (
+                dir.path().join("shop.db.providers"),
+                vec![LEDGER_CHARGES, LEDGER_MAILS],
+            ),
+        ];
+        for (file, reads) in files {
+            let pool = sqlx::SqlitePool::connect(&format!("sqlite://{}", file.display()))
+                .await
+                .unwrap();
+            for read in reads {
+                let plan = explain(&pool, read).await;
+                assert!(
+                    plan.iter().any(|step| step.starts_with("SEARCH")),
+                    "{read}: {plan:?}"
+                );
+                assert!(
+                    !plan.iter().any(|step| step.starts_with("SCAN")),
+                    "{read} scans a table: {plan:?}"
+                );
+            }
+        }
+    }
+
+    /// The `detail` column of `EXPLAIN QUERY PLAN`.
+    async fn explain(pool: &sqlx::SqlitePool, read: &str) -> Vec<String> {
+        use sqlx::Row;
+        sqlx::query(&format!("EXPLAIN QUERY PLAN {read}"))
+            .fetch_all(pool)
+            .await
+            .unwrap()
+            .iter()
+            .map(|row| row.get::<String, _>("detail"))
+            .collect()
+    }
 }
