@@ -1,7 +1,7 @@
 //! `faults`: the fault proof of the demo shop on a real PostgreSQL, a real MariaDB and SQLite
-//! (`--backend`; `lost-ack`, `db-restart` and `db-crash` need a database server and run on PostgreSQL and
-//! MariaDB; `consumer-kill9` runs its shop on PostgreSQL and needs RabbitMQ at `TEST_AMQP_URL`;
-//! `disk-full` runs on SQLite and needs root to mount a tmpfs). Each scenario
+//! (`--backend`; `lost-ack`, `db-restart` and `db-crash` need a database server and run on
+//! PostgreSQL and MariaDB; `consumer-kill9` runs its shop on PostgreSQL and needs RabbitMQ at
+//! `TEST_AMQP_URL`; `disk-full` runs on SQLite and needs root to mount a tmpfs). Each scenario
 //! starts real `shop` processes, injects a fault, lets the shop's worker settle what the clients
 //! left, and checks from the databases that nothing was charged twice, no key was lost or left
 //! pending, every charge belongs to a paid order or was refunded, and (SQLite) `PRAGMA

@@ -5,7 +5,8 @@
 //! the main arena to the kernel. Under `bench/rss.sh` on SQLite, the shop's RSS grew about
 //! 12 MB per 10 minutes while its live heap did not: `malloc_trim(0)` called from a debugger
 //! dropped it from 39.0 to 29.7 MB. [`trim_periodically`] makes that call every few seconds on a
-//! blocking thread (`shop --heap-trim-ms`, 2 s by default). On other allocators and platforms it does nothing.
+//! blocking thread (`shop --heap-trim-ms`, 2 s by default). On other allocators and platforms it
+//! does nothing.
 
 use std::time::Duration;
 
