@@ -83,7 +83,7 @@ async fn relaxed_reservations_leave_the_writer_synced() {
         );
     }
     println!("{cancelled} reservations cancelled, {inserted} completed");
-    assert!(cancelled > 30, "cancellation exercised ({cancelled})");
+    assert!(cancelled > 15, "cancellation exercised ({cancelled})");
     assert!(inserted > 30, "reservations completed ({inserted})");
 }
 
