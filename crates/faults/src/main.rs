@@ -47,8 +47,8 @@ enum Scenario {
 
 impl Scenario {
     /// Whether the scenario runs on `backend`: a lost COMMIT acknowledgement and a database
-    /// restart or crash need a database server; the queue consumer's scenario runs its shop on PostgreSQL;
-    /// a full disk is made under the SQLite files.
+    /// restart or crash need a database server; the queue consumer's scenario runs its shop on
+    /// PostgreSQL; a full disk is made under the SQLite files.
     fn runs_on(self, backend: Backend) -> bool {
         match self {
             Scenario::LostAck | Scenario::DbRestart | Scenario::DbCrash => backend.is_server(),

@@ -722,7 +722,7 @@ async fn a_cancelled_reservation_leaves_no_pending_key<S: Harness>(store: S) {
                 .await
                 .ok()
         } else {
-            poll_then_drop(idem.reserve(&a), (i / 4) % 40).await
+            test_support::poll_then_drop(idem.reserve(&a), (i / 4) % 40, Duration::ZERO).await
         };
         match reserved {
             None => cut += 1,
@@ -754,19 +754,6 @@ async fn a_cancelled_reservation_leaves_no_pending_key<S: Harness>(store: S) {
         S::NAME
     );
     assert_eq!(left, 0, "keys left pending by cancelled reservations");
-}
-
-/// Polls `future` at most `polls` times, yielding to the runtime between polls (so its I/O goes
-/// on), then drops it; its output if it finished.
-async fn poll_then_drop<F: std::future::Future>(future: F, polls: u64) -> Option<F::Output> {
-    let mut future = std::pin::pin!(future);
-    for _ in 0..polls {
-        if let std::task::Poll::Ready(output) = futures_util::poll!(future.as_mut()) {
-            return Some(output);
-        }
-        tokio::task::yield_now().await;
-    }
-    None
 }
 
 /// The request, owned by the caller; the work only borrows it.

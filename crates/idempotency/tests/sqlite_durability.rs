@@ -1,14 +1,14 @@
 //! SQLite's durability: `SqliteStore::connect` syncs every commit (`synchronous = FULL`); a
 //! reservation that may be relaxed (`PendingRow::must_flush_reservation`) commits at `NORMAL` on
 //! the writer connection, and the level is always put back, even when the reserving caller is
-//! cancelled midway, so the business transactions after it are synced. Heartbeats likewise. A pool the application
-//! opened at `NORMAL` is left alone.
+//! cancelled midway, so the business transactions after it are synced. Heartbeats likewise. A
+//! pool the application opened at `NORMAL` is left alone.
 
 use idempotency::{
     Effects, Fingerprint, IdempotencyKey, LeaseToken, PendingRow, SqliteStore, Store,
 };
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqliteSynchronous};
-use std::{str::FromStr, task::Poll, time::Duration};
+use std::{str::FromStr, time::Duration};
 
 /// `PRAGMA synchronous` as a business transaction of the store sees it.
 async fn level_in_business_tx(store: &SqliteStore) -> i64 {
@@ -53,19 +53,12 @@ async fn relaxed_reservations_leave_the_writer_synced() {
     for i in 0..300u64 {
         let key = IdempotencyKey::new("user-1", "op", format!("k{i}")).unwrap();
         let (effects, journaled) = kinds[i as usize % kinds.len()];
-        // Cancel most reservations at varied moments: poll the reservation `i % 40` times, 30 µs
+        // Cancel many reservations at varied moments: poll the reservation `i % 40` times, 30 µs
         // apart (a statement takes about that long on SQLite's worker thread), then drop it.
         let pending = row(&key, effects, journaled);
-        let mut reservation = Box::pin(store.insert_pending(&pending));
-        let mut outcome = None;
-        for _ in 0..i % 40 {
-            if let Poll::Ready(result) = futures_util::poll!(reservation.as_mut()) {
-                outcome = Some(result);
-                break;
-            }
-            std::thread::sleep(Duration::from_micros(30));
-        }
-        drop(reservation);
+        let reservation = store.insert_pending(&pending);
+        let pause = Duration::from_micros(30);
+        let outcome = test_support::poll_then_drop(reservation, i % 40, pause).await;
         match outcome {
             None => cancelled += 1,
             Some(result) => {

@@ -172,6 +172,39 @@ pub fn fresh_sqlite() -> SqliteFile {
     }
 }
 
+/// Polls `future` at most `polls` times, then drops it; its output if it finished. Between polls
+/// it yields to the runtime (so the future's I/O and the tasks it spawned go on) and then blocks
+/// its thread for `pause` (time for a database's own worker thread to answer; zero for none).
+/// Cancels work at a point set by a count rather than by a timer, whose millisecond ticks a fast
+/// machine outruns.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() {
+/// use std::time::Duration;
+/// assert_eq!(test_support::poll_then_drop(async { 7 }, 1, Duration::ZERO).await, Some(7));
+/// assert_eq!(test_support::poll_then_drop(async { 7 }, 0, Duration::ZERO).await, None);
+/// # }
+/// ```
+pub async fn poll_then_drop<F: std::future::Future>(
+    future: F,
+    polls: u64,
+    pause: std::time::Duration,
+) -> Option<F::Output> {
+    let mut future = std::pin::pin!(future);
+    for _ in 0..polls {
+        let polled = std::future::poll_fn(|cx| std::task::Poll::Ready(future.as_mut().poll(cx)));
+        if let std::task::Poll::Ready(output) = polled.await {
+            return Some(output);
+        }
+        tokio::task::yield_now().await;
+        if !pause.is_zero() {
+            std::thread::sleep(pause);
+        }
+    }
+    None
+}
+
 #[cfg(test)]
 mod tests {
     use super::with_database;
