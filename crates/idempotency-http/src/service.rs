@@ -22,7 +22,9 @@ use bytes::Bytes;
 use futures_util::{future::BoxFuture, FutureExt};
 use http::{header, request::Parts, HeaderMap, HeaderValue, Request, Response};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
-use idempotency::{Attempt, Effects, Fingerprint, IdempotencyKey, Lease, Reservation, Store};
+use idempotency::{
+    Attempt, Begun, Effects, Fingerprint, Idempotency, IdempotencyKey, Lease, Reservation, Store,
+};
 use std::{
     future::Future,
     panic::AssertUnwindSafe,
@@ -241,16 +243,47 @@ where
     }
     // 1. Reserve the key, committed on its own (a replay is read first); a duplicate of a
     //    request in flight may wait for it (`wait_for_in_flight`).
-    let settings = &call.settings;
-    let reserved = in_flight::reserve(
-        &settings.idempotency,
-        &attempt,
-        settings.wait_for_in_flight,
-        &settings.waiters,
+    let reserved = reserve_key(
+        &call.settings,
         &call.operation,
+        &call.settings.idempotency,
+        &attempt,
     )
     .await;
-    proceed(call, attempt.into_key(), reserved).await
+    proceed(call, attempt, reserved).await
+}
+
+/// The key reserved, and the business transaction when the reservation was written inside it.
+type Reserved<S> = (
+    Reservation<S>,
+    Option<sqlx::Transaction<'static, <S as Store>::Database>>,
+);
+
+/// Step 1: the key reserved on its own commit, waiting for a duplicate's original as the layer
+/// says; or, in the engine's single-transaction mode
+/// ([`Idempotency::with_single_transaction`]), inside the business transaction, where the
+/// database makes duplicates wait.
+async fn reserve_key<S: Store>(
+    settings: &Settings<S>,
+    operation: &str,
+    engine: &Idempotency<S>,
+    attempt: &Attempt,
+) -> Result<Reserved<S>, idempotency::Error> {
+    if engine.single_transaction_wait(attempt).is_some() {
+        return Ok(match engine.begin_reserved(attempt).await? {
+            Begun::Acquired(lease, tx) => (Reservation::Acquired(lease), Some(tx)),
+            Begun::Completed(bytes) => (Reservation::Completed(bytes), None),
+        });
+    }
+    in_flight::reserve(
+        engine,
+        attempt,
+        settings.wait_for_in_flight,
+        &settings.waiters,
+        operation,
+    )
+    .await
+    .map(|reservation| (reservation, None))
 }
 
 /// One keyed request on its way through the layer, once its body was read: what every step after
@@ -323,15 +356,8 @@ where
     }
     let engine = engine.clone().with_replay_first(false);
     let work = async move {
-        let reserved = in_flight::reserve(
-            &engine,
-            &attempt,
-            call.settings.wait_for_in_flight,
-            &call.settings.waiters,
-            &call.operation,
-        )
-        .await;
-        proceed(call, attempt.into_key(), reserved).await
+        let reserved = reserve_key(&call.settings, &call.operation, &engine, &attempt).await;
+        proceed(call, attempt, reserved).await
     };
     match tokio::spawn(work.in_current_span()).await {
         Ok(answer) => answer,
@@ -348,8 +374,8 @@ where
 /// the rest (422, 409, 503).
 async fn proceed<S, Inner, ResBody>(
     call: KeyedCall<S, Inner>,
-    key: IdempotencyKey,
-    reserved: Result<Reservation<S>, idempotency::Error>,
+    attempt: Attempt,
+    reserved: Result<Reserved<S>, idempotency::Error>,
 ) -> Result<Response<Body>, Inner::Error>
 where
     S: Store,
@@ -358,17 +384,20 @@ where
     ResBody::Error: Into<BoxError>,
 {
     let reserved = match reserved {
-        Ok(Reservation::Acquired(lease)) => {
-            // With waiting on, duplicates may wait for this key: tell them when it is settled.
-            let announce = (call.settings.wait_for_in_flight.is_some())
-                .then(|| (key.clone(), call.settings.clone()));
-            let answer = execute(call, key, lease).await;
+        Ok((Reservation::Acquired(lease), tx)) => {
+            // With waiting on, duplicates may wait for this key: tell them when it is settled
+            // (a key reserved inside the transaction is waited for by the database).
+            let announce = (call.settings.wait_for_in_flight.is_some()
+                && !lease.is_in_transaction())
+            .then(|| (attempt.key().clone(), call.settings.clone()));
+            let answer = execute(call, attempt, lease, tx).await;
             if let Some((key, settings)) = announce {
                 in_flight::announce(settings.idempotency.store(), &settings.waiters, key);
             }
             return answer;
         }
-        other => other,
+        Ok((other, _)) => Ok(other),
+        Err(error) => Err(error),
     };
     let (settings, operation) = (&*call.settings, call.operation.as_str());
     match reserved {
@@ -416,8 +445,9 @@ fn replay<S: Store>(settings: &Settings<S>, op: &str, bytes: &[u8]) -> Response<
 /// Steps 2 and 3 for a reserved key: run the handler, then complete (or release, or park).
 async fn execute<S, Inner, ResBody>(
     mut call: KeyedCall<S, Inner>,
-    key: IdempotencyKey,
+    attempt: Attempt,
     lease: Lease<S>,
+    tx: Option<sqlx::Transaction<'static, S::Database>>,
 ) -> Result<Response<Body>, Inner::Error>
 where
     S: Store,
@@ -428,6 +458,7 @@ where
     let (settings, op) = (call.settings, call.operation.as_str());
     let started = std::time::Instant::now();
     let mut lease = HeldLease {
+        in_transaction: lease.is_in_transaction(),
         slot: LeaseSlot::new(lease),
         operation: op,
         effects: settings.effects,
@@ -435,8 +466,9 @@ where
     };
     // 2. Run the handler, with the (lazily begun) business transaction and the lease in the
     //    extensions.
-    let slot = TxSlot::new(settings.idempotency.store().clone());
+    let slot = TxSlot::new(settings.idempotency.store().clone(), tx);
     let (parts, body) = (call.parts, call.body);
+    let key = attempt.key().clone();
     let response = run_handler(&mut call.inner, parts, body, key, &slot, &mut lease).await?;
     if lease.taken_by_handler() {
         // The handler settled the key itself (a durable operation): nothing to store or release.
@@ -471,6 +503,15 @@ where
         }
         None => None,
     };
+    // A key stored without the work's writes, or parked, needs a committed row of its own.
+    let settled_alone =
+        (store && tx.is_none()) || matches!(disposition, Some(Disposition::Park(_)));
+    if settled_alone && lease.in_transaction && !lease.recommit(&settings, &attempt).await {
+        return Ok(Response::from_parts(
+            response_parts,
+            Body::new(response_body),
+        ));
+    }
     if !store {
         lease.settle_unstored(disposition).await;
         return Ok(Response::from_parts(
@@ -506,7 +547,11 @@ where
     Inner: Service<Request<Body>, Response = Response<ResBody>>,
 {
     parts.extensions.insert(slot.clone());
-    parts.extensions.insert(lease.slot.clone());
+    // A key reserved inside the transaction is not the handler's to settle: whatever it did
+    // with the lease outside that transaction would wait for the transaction itself.
+    if !lease.in_transaction {
+        parts.extensions.insert(lease.slot.clone());
+    }
     // The key, for handlers that pass it on to an idempotent provider.
     parts.extensions.insert(key);
     let request = Request::from_parts(parts, Body::from(body));
@@ -633,7 +678,7 @@ where
     ResBody::Error: Into<BoxError>,
 {
     let operation = operation_name(&settings.operation, &parts);
-    let slot = TxSlot::new(settings.idempotency.store().clone());
+    let slot = TxSlot::new(settings.idempotency.store().clone(), None);
     parts.extensions.insert(slot.clone());
     let mut response = inner
         .call(Request::from_parts(parts, body))
@@ -678,6 +723,8 @@ fn outcome_of_settled(status: http::StatusCode) -> &'static str {
 /// request), the key is released by [`Lease`]'s own drop; this counts it.
 struct HeldLease<'o, S: Store> {
     slot: LeaseSlot<S>,
+    /// The key row was written inside the business transaction (the single-transaction mode).
+    in_transaction: bool,
     operation: &'o str,
     effects: Effects,
     /// A durable operation's route: outside calls happen only under the lease the handler takes.
@@ -696,6 +743,31 @@ impl<S: Store> HeldLease<'_, S> {
             Some(Disposition::Release) => self.release("the response is not stored").await,
             Some(Disposition::Park(reason)) => self.park(&reason).await,
             _ => self.give_up("the response is not stored").await,
+        }
+    }
+
+    /// For a key reserved inside the transaction, which rolled back: the key reserved again on
+    /// its own commit, to be stored or parked without the work's writes. `false` when a
+    /// duplicate holds or settled the key meanwhile (or the store failed): nothing of ours to
+    /// settle, and the response goes out unstored.
+    async fn recommit(&mut self, settings: &Settings<S>, attempt: &Attempt) -> bool {
+        let lease = self.take();
+        match settings.idempotency.reserve_committed(attempt, lease).await {
+            Ok(Reservation::Acquired(lease)) => {
+                self.slot = LeaseSlot::new(lease);
+                self.in_transaction = false;
+                true
+            }
+            Ok(_) => {
+                tracing::warn!(
+                    "a duplicate took the key after the rollback; the response is not stored"
+                );
+                false
+            }
+            Err(error) => {
+                tracing::warn!(%error, "could not reserve the key again; the response is not stored");
+                false
+            }
         }
     }
 

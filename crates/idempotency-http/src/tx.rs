@@ -61,7 +61,9 @@ impl<DB: sqlx::Database> Clone for TxSlot<DB> {
 }
 
 impl<DB: sqlx::Database> TxSlot<DB> {
-    pub(crate) fn new<S>(store: S) -> Self
+    /// A slot that begins the transaction on `store` when the handler first extracts it, or
+    /// holds `open`, begun already (the key was reserved inside it).
+    pub(crate) fn new<S>(store: S, open: Option<sqlx::Transaction<'static, DB>>) -> Self
     where
         S: idempotency::Store<Database = DB>,
     {
@@ -69,8 +71,12 @@ impl<DB: sqlx::Database> TxSlot<DB> {
             let store = store.clone();
             Box::pin(async move { store.begin().await })
         });
+        let state = match open {
+            Some(tx) => SlotState::Open(tx),
+            None => SlotState::Unopened,
+        };
         Self {
-            state: Arc::new(Mutex::new(SlotState::Unopened)),
+            state: Arc::new(Mutex::new(state)),
             begin,
         }
     }

@@ -36,6 +36,8 @@ test_support::backend_tests! {
     parked_key_is_409_needs_review,
     handler_disposition_overrides_the_status_policy,
     detached_work_outlives_the_client,
+    single_transaction_racers_wait_and_replay,
+    single_transaction_settles_like_the_article,
 }
 
 const TRIALS: usize = 100;
@@ -780,4 +782,99 @@ async fn the_replay_header_and_the_problem_base_can_be_configured() {
     )
     .await;
     keyless.assert_problem(400, "https://errors.example.com/idempotency/key-missing");
+}
+
+// --- The engine's single-transaction mode (`/single-tx-orders`) --------------------------------
+
+/// Racers on one key of a route in the single-transaction mode: one runs; on PostgreSQL every
+/// other one waits for its commit and replays it (none is told 409); elsewhere the mode does
+/// not apply and 409s are allowed, as on `/orders`.
+async fn single_transaction_racers_wait_and_replay(app: TestApp) {
+    let waits = matches!(app.db, common::Db::Pg(_));
+    let mut replays = 0;
+    for trial in 0..TRIALS {
+        let key = new_key();
+        let sku = format!("single-{trial}-{key}");
+        let body = json!({"sku": sku, "quantity": 1});
+        let answers = join_all((0..RACERS).map(|_| {
+            Answer::of(
+                app.post("/single-tx-orders", "alice", Some(&key), &body)
+                    .header("x-sleep-ms", "2"),
+            )
+        }))
+        .await;
+        let executed = answers.iter().filter(|a| a.status == 201 && !a.replayed());
+        assert_eq!(executed.count(), 1, "trial {trial}: {answers:?}");
+        for answer in &answers {
+            match answer.status {
+                201 => replays += usize::from(answer.replayed()),
+                409 if !waits => answer.assert_problem(409, types::IN_PROGRESS),
+                other => panic!("trial {trial}: unexpected status {other}: {answer:?}"),
+            }
+        }
+        assert_eq!(app.db.orders(&sku).await, 1, "trial {trial}: business rows");
+    }
+    if waits {
+        assert_eq!(replays, TRIALS * (RACERS - 1));
+    }
+    eprintln!(
+        "{TRIALS} trials x {RACERS} racers on the single-transaction route: {replays} replays"
+    );
+}
+
+/// The single-transaction route answers as `/orders` does: a success is stored and replayed; a
+/// 422 is stored without the handler's write (under a reservation committed for it after the
+/// rollback); a 404 and a 500 roll back and keep no key.
+async fn single_transaction_settles_like_the_article(app: TestApp) {
+    let post = |key: &str, body: &serde_json::Value, fail: Option<&str>| {
+        let request = app.post("/single-tx-orders", "alice", Some(key), body);
+        Answer::of(match fail {
+            Some(status) => request.header("x-fail", status),
+            None => request,
+        })
+    };
+    let key = new_key();
+    let body = json!({"sku": format!("ok-{key}")});
+    let first = post(&key, &body, None).await;
+    assert_eq!((first.status, first.replayed()), (201, false), "{first:?}");
+    let again = post(&key, &body, None).await;
+    assert_eq!((again.status, again.replayed()), (201, true), "{again:?}");
+    assert_eq!(again.body, first.body);
+    assert_eq!(app.db.orders(&format!("ok-{key}")).await, 1);
+
+    let key = new_key();
+    let sku = format!("after-422-{key}");
+    let body = json!({"sku": sku});
+    let refused = post(&key, &body, Some("422")).await;
+    assert_eq!(refused.status, 422, "{refused:?}");
+    assert_eq!(
+        app.db.orders(&sku).await,
+        0,
+        "the write before the 422 was committed"
+    );
+    assert_eq!(app.db.state_of(&key).await.as_deref(), Some("completed"));
+    let retry = post(&key, &body, None).await;
+    assert_eq!((retry.status, retry.replayed()), (422, true), "{retry:?}");
+    assert_eq!(app.db.orders(&sku).await, 0);
+
+    for status in ["404", "500"] {
+        let key = new_key();
+        let sku = format!("after-{status}-{key}");
+        let body = json!({"sku": sku});
+        let failed = post(&key, &body, Some(status)).await;
+        assert_eq!(failed.status.to_string(), status, "{failed:?}");
+        assert_eq!(
+            app.db.orders(&sku).await,
+            0,
+            "{status}: the write was committed"
+        );
+        assert_eq!(
+            app.db.state_of(&key).await,
+            None,
+            "{status}: a key was kept"
+        );
+        let retry = post(&key, &body, None).await;
+        assert_eq!((retry.status, retry.replayed()), (201, false), "{retry:?}");
+        assert_eq!(app.db.orders(&sku).await, 1);
+    }
 }

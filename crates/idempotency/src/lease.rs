@@ -36,6 +36,10 @@ pub struct Lease<S: Store> {
     /// Where a committed completion is remembered, with the fingerprint of the request it
     /// answers (`None`: no cache).
     pub(crate) replay_cache: Option<(Arc<ReplayCache>, Fingerprint)>,
+    /// The key row was written inside the business transaction and never committed on its
+    /// own (the single-transaction mode): rolling that transaction back is the release, and
+    /// nothing is ever released, parked or left pending through the store.
+    pub(crate) in_transaction: bool,
 }
 
 impl<S: Store> Lease<S> {
@@ -47,6 +51,23 @@ impl<S: Store> Lease<S> {
     /// Our lease token.
     pub fn token(&self) -> LeaseToken {
         self.token
+    }
+
+    /// Whether the key row lives only in the business transaction, uncommitted (the
+    /// single-transaction mode, [`Idempotency::with_single_transaction`](crate::Idempotency::with_single_transaction)):
+    /// the key is released by rolling that transaction back, and a refusal stored without the
+    /// work's writes, or a park, needs a committed reservation
+    /// ([`Idempotency::reserve_committed`](crate::Idempotency::reserve_committed)).
+    ///
+    /// ```no_run
+    /// # fn demo(lease: idempotency::Lease<idempotency::PgStore>) {
+    /// if lease.is_in_transaction() {
+    ///     // Nobody else sees this key until the transaction commits.
+    /// }
+    /// # }
+    /// ```
+    pub fn is_in_transaction(&self) -> bool {
+        self.in_transaction
     }
 
     /// Whether this lease took the key over from an earlier holder of a durable operation (its
@@ -155,7 +176,7 @@ impl<S: Store> Lease<S> {
     /// pending with our token until the lease ends; then the resumer carries it on.
     pub async fn release(mut self) -> Result<bool, StoreError> {
         self.disarm();
-        if self.keeps_progress() {
+        if self.in_transaction || self.keeps_progress() {
             return Ok(false);
         }
         self.store.release(&self.key, self.token).await
@@ -187,8 +208,13 @@ impl<S: Store> Lease<S> {
     }
 
     /// Parks the key as `needs_review` if it is still pending with our token.
+    /// A lease [in the transaction](Self::is_in_transaction) parks nothing (`Ok(false)`): its
+    /// row went with the rollback.
     pub async fn park(mut self, reason: &str) -> Result<bool, StoreError> {
         self.disarm();
+        if self.in_transaction {
+            return Ok(false);
+        }
         self.store.park(&self.key, self.token, reason).await
     }
 
@@ -204,7 +230,7 @@ impl<S: Store> Lease<S> {
 
     pub(crate) async fn release_quietly(&mut self) {
         self.disarm();
-        if self.keeps_progress() {
+        if self.in_transaction || self.keeps_progress() {
             return;
         }
         if let Err(error) = self.store.release(&self.key, self.token).await {
@@ -217,7 +243,7 @@ impl<S: Store> Lease<S> {
     /// From a drop: releases the key in a task of its own (a drop cannot wait).
     pub(crate) fn release_in_background(&mut self) {
         self.disarm();
-        if self.keeps_progress() {
+        if self.in_transaction || self.keeps_progress() {
             return;
         }
         let (store, key, token) = (self.store.clone(), self.key.clone(), self.token);

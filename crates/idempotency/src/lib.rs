@@ -30,7 +30,7 @@ pub use key::{IdempotencyKey, InvalidKey, KeyPart, MAX_PART_LEN};
 pub use lease::Lease;
 pub use operation::{Operation, Operations};
 pub use outcome::Outcome;
-pub use protocol::{Attempt, Idempotency, Reservation};
+pub use protocol::{Attempt, Begun, Idempotency, Reservation};
 pub use recovery::{
     resolve, NoResolver, ProviderAnswer, Recovery, RecoveryReport, ResolveError, Resolver,
 };
@@ -49,6 +49,6 @@ pub use store::postgres::{completion_payload, PgStore, COMPLETION_CHANNEL, NOTIF
 pub use store::sqlite::SqliteStore;
 pub use store::{
     Awaited, Effects, Insertion, KeyFilter, KeyRecord, KeyState, KeyStats, LeaseToken, Maintenance,
-    PendingRow, Progress, Resolution, StateCount, Store, POLL_FIRST, POLL_MAX,
+    PendingRow, Progress, ReservedIn, Resolution, StateCount, Store, POLL_FIRST, POLL_MAX,
 };
 pub use worker::{MaintenanceWorker, WorkerHandle, WorkerReport};

@@ -10,7 +10,7 @@ use crate::{
     recent_replays::RecentReplays,
     replay_cache::ReplayCache,
     steps::StepPolicy,
-    store::{Effects, Insertion, KeyRecord, KeyState, LeaseToken, PendingRow, Store},
+    store::{Effects, Insertion, KeyRecord, KeyState, LeaseToken, PendingRow, ReservedIn, Store},
     Fingerprint, IdempotencyKey, Outcome,
 };
 use futures_util::{future::BoxFuture, FutureExt};
@@ -117,6 +117,40 @@ enum Started<S: Store, R> {
     Acquired(Lease<S>, sqlx::Transaction<'static, S::Database>),
 }
 
+/// The answer of [`Idempotency::begin_reserved`]: the key held and the business transaction
+/// begun, or the stored result.
+///
+/// ```no_run
+/// # async fn demo(idem: idempotency::Idempotency<idempotency::PgStore>, attempt: idempotency::Attempt) -> Result<(), idempotency::Error> {
+/// use idempotency::Begun;
+/// match idem.begin_reserved(&attempt).await? {
+///     Begun::Acquired(lease, mut tx) => {
+///         sqlx::query("INSERT INTO orders (sku) VALUES ('tea')").execute(&mut *tx).await.map_err(idempotency::StoreError::from)?;
+///         lease.finish(tx, br#"{"order":1}"#).await?;
+///     }
+///     Begun::Completed(stored) => println!("replay {} bytes", stored.len()),
+/// }
+/// # Ok(()) }
+/// ```
+pub enum Begun<S: Store> {
+    /// We hold the key: run the work in the transaction, then [`Lease::finish`] both.
+    Acquired(Lease<S>, sqlx::Transaction<'static, S::Database>),
+    /// The operation was completed before; these are its stored result bytes.
+    Completed(Vec<u8>),
+}
+
+impl<S: Store> std::fmt::Debug for Begun<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Begun::Acquired(lease, _) => f
+                .debug_tuple("Acquired")
+                .field(lease.key())
+                .finish_non_exhaustive(),
+            Begun::Completed(stored) => f.debug_tuple("Completed").field(&stored.len()).finish(),
+        }
+    }
+}
+
 /// The answer of [`Idempotency::reserve`].
 #[derive(Debug)]
 #[non_exhaustive]
@@ -185,6 +219,9 @@ pub struct Idempotency<S> {
     heartbeat: bool,
     /// Results this process completed, for replays without a round trip (opt-in).
     replay_cache: Option<Arc<ReplayCache>>,
+    /// `Some(wait)`: local work reserves inside its business transaction, and a duplicate
+    /// waits up to `wait` for it (opt-in).
+    single_transaction: Option<Duration>,
 }
 
 impl<S: Store> Idempotency<S> {
@@ -208,6 +245,7 @@ impl<S: Store> Idempotency<S> {
             step_policy: StepPolicy::default(),
             heartbeat: true,
             replay_cache: None,
+            single_transaction: None,
         }
     }
 
@@ -274,6 +312,67 @@ impl<S: Store> Idempotency<S> {
     pub fn with_replay_cache(mut self, capacity: usize) -> Self {
         self.replay_cache = Some(Arc::new(ReplayCache::new(capacity)));
         self
+    }
+
+    /// **Single-transaction mode** for local work (off by default): the key row is inserted
+    /// *inside* the business transaction instead of in a reservation committed on its own, and
+    /// completed and committed with the work. A duplicate's INSERT waits on the unique index
+    /// until that transaction ends, for at most `wait` (PostgreSQL's `lock_timeout`, set for
+    /// that one statement), and then replays the stored result instead of getting
+    /// [`Error::InProgress`]; after `wait` it does get [`Error::InProgress`]. One round trip and
+    /// one commit fewer per first request.
+    ///
+    /// How it differs from the article's protocol, which it follows in every other case:
+    /// * nobody sees the reservation before the work commits: no pending row exists for the
+    ///   recovery job, the operator's list or other processes; a crash or a rollback leaves no
+    ///   key at all (the work rolled back with it), so a retry runs the work once;
+    /// * a duplicate holds a connection while it waits, and the holder's transaction stays open
+    ///   for the whole work (as the business transaction already does);
+    /// * a 422 for another request under the same key comes once the holder commits;
+    /// * a response stored **without** the work's writes (a stored 4xx) or a park needs a
+    ///   committed row of its own: the transaction rolls back and the key is reserved again
+    ///   the article's way for it.
+    ///
+    /// It applies only to [`Effects::Local`] work that is not journaled: work with an outside
+    /// effect always reserves on its own commit first, since a reservation nobody sees could
+    /// not be found by the recovery job after a crash. It needs a store whose database queues
+    /// duplicate INSERTs on the unique index ([`Store::reserves_in_transaction`]: PostgreSQL);
+    /// other stores reserve the article's way.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), idempotency::StoreError> {
+    /// use idempotency::{Idempotency, PgStore};
+    /// use std::time::Duration;
+    /// let store = PgStore::connect("postgres://shop@127.0.0.1/shop").await?;
+    /// let idem = Idempotency::new(store).with_single_transaction(Duration::from_secs(5));
+    /// # Ok(()) }
+    /// ```
+    pub fn with_single_transaction(mut self, wait: Duration) -> Self {
+        self.single_transaction = Some(wait);
+        self
+    }
+
+    /// How long a duplicate waits for `attempt`'s holder in the single-transaction mode, if
+    /// that mode applies to it ([`with_single_transaction`](Self::with_single_transaction)):
+    /// turned on, local work, not journaled, and a store that supports it.
+    ///
+    /// ```
+    /// # #[cfg(feature = "sqlite")]
+    /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+    /// use idempotency::{Attempt, Fingerprint, IdempotencyKey, Idempotency, SqliteStore};
+    /// use std::time::Duration;
+    /// let store = SqliteStore::connect("sqlite::memory:").await?;
+    /// let idem = Idempotency::new(store).with_single_transaction(Duration::from_secs(5));
+    /// let attempt = Attempt::new(IdempotencyKey::new("u", "op", "k")?, Fingerprint::of_bytes(b""));
+    /// // SQLite reserves on its own commit.
+    /// assert_eq!(idem.single_transaction_wait(&attempt), None);
+    /// # Ok(()) }
+    /// ```
+    pub fn single_transaction_wait(&self, attempt: &Attempt) -> Option<Duration> {
+        let applies = attempt.effects == Effects::Local
+            && !attempt.journaled
+            && self.store.reserves_in_transaction();
+        self.single_transaction.filter(|_| applies)
     }
 
     /// The result of a completed key cached by [`with_replay_cache`](Self::with_replay_cache),
@@ -398,6 +497,99 @@ impl<S: Store> Idempotency<S> {
         }
     }
 
+    /// Reserves the key and begins the business transaction: [`reserve`](Self::reserve) (its
+    /// own commit) then [`Store::begin`]; or, in the
+    /// [single-transaction mode](Self::with_single_transaction), the pending row inserted
+    /// inside the transaction. A duplicate of a holder in that mode waits for it and then
+    /// replays. The other answers are those of [`reserve`](Self::reserve).
+    ///
+    /// Cancellation-safe: a transaction dropped before it was handed over rolls back, and a
+    /// reservation committed on its own is released as in [`reserve`](Self::reserve).
+    pub async fn begin_reserved(&self, attempt: &Attempt) -> Result<Begun<S>, Error> {
+        if let Some(wait) = self.single_transaction_wait(attempt) {
+            if let Some(begun) = self.reserve_in_transaction(attempt, wait).await? {
+                return Ok(begun);
+            }
+        }
+        let mut lease = match self.reserve(attempt).await? {
+            Reservation::Completed(bytes) => return Ok(Begun::Completed(bytes)),
+            Reservation::Acquired(lease) => lease,
+        };
+        match self.store.begin().await {
+            Ok(tx) => Ok(Begun::Acquired(lease, tx)),
+            Err(e) => {
+                lease.release_quietly().await;
+                Err(e.into())
+            }
+        }
+    }
+
+    /// The single-transaction reservation. `None` when the key has a committed row: the caller
+    /// answers it the article's way.
+    async fn reserve_in_transaction(
+        &self,
+        attempt: &Attempt,
+        wait: Duration,
+    ) -> Result<Option<Begun<S>>, Error> {
+        if let Some(result) = self.cached_replay(attempt) {
+            return Ok(Some(Begun::Completed(result)));
+        }
+        if self.replays_first() {
+            if let Some(result) = self.stored_replay(attempt).await? {
+                return Ok(Some(Begun::Completed(result)));
+            }
+        }
+        let mut tx = self.store.begin().await?;
+        let row = PendingRow {
+            key: &attempt.key,
+            fingerprint: attempt.fingerprint,
+            token: LeaseToken::new(),
+            effects: attempt.effects,
+            journaled: attempt.journaled,
+            lease: self.lease,
+            retention: self.retention,
+        };
+        let reserved = self.store.reserve_in(&mut tx, &row, wait).await;
+        if let Ok(ReservedIn::Inserted) = reserved {
+            self.recent_replays.observe(false);
+            let lease = self.lease_for(&row, true);
+            return Ok(Some(Begun::Acquired(lease, tx)));
+        }
+        let _ = tx.rollback().await;
+        match reserved? {
+            ReservedIn::Busy => Err(Error::InProgress {
+                retry_after: self.max_retry_after,
+            }),
+            _ => Ok(None),
+        }
+    }
+
+    /// A committed reservation for settling `lease`'s key without the work's transaction (a
+    /// refusal stored without the work's writes, a park): `lease` itself unless it is
+    /// [in the transaction](Lease::is_in_transaction); then, once that transaction rolled back,
+    /// the key reserved again the article's way (a duplicate that got there first answers
+    /// instead: [`Reservation::Completed`] or an error).
+    ///
+    /// ```no_run
+    /// # async fn demo(idem: idempotency::Idempotency<idempotency::PgStore>, attempt: idempotency::Attempt, lease: idempotency::Lease<idempotency::PgStore>) -> Result<(), idempotency::Error> {
+    /// use idempotency::Reservation;
+    /// if let Reservation::Acquired(lease) = idem.reserve_committed(&attempt, lease).await? {
+    ///     lease.park("refused by the fraud check").await?;
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub async fn reserve_committed(
+        &self,
+        attempt: &Attempt,
+        mut lease: Lease<S>,
+    ) -> Result<Reservation<S>, Error> {
+        if !lease.in_transaction {
+            return Ok(Reservation::Acquired(lease));
+        }
+        lease.disarm();
+        self.reserve(attempt).await
+    }
+
     /// The replay read alone ([`Store::find_replay`]): the stored result of a completed,
     /// unexpired key with the attempt's fingerprint, or `None` (then [`reserve`](Self::reserve)
     /// decides). It writes nothing, so it may be cancelled at any point.
@@ -442,7 +634,9 @@ impl<S: Store> Idempotency<S> {
                 retention: self.retention,
             };
             let existing = match self.store.insert_pending(&row).await? {
-                Insertion::Inserted => return Ok(Reservation::Acquired(self.lease_for(&row))),
+                Insertion::Inserted => {
+                    return Ok(Reservation::Acquired(self.lease_for(&row, false)))
+                }
                 Insertion::Vanished => continue,
                 Insertion::Conflict(existing) => existing,
             };
@@ -464,7 +658,7 @@ impl<S: Store> Idempotency<S> {
             if reusable {
                 if self.store.take_over(&row, existing.lease_token).await? {
                     tracing::debug!(key = %attempt.key, state = %existing.state, "idempotency key taken over");
-                    return Ok(Reservation::Acquired(self.lease_for(&row)));
+                    return Ok(Reservation::Acquired(self.lease_for(&row, false)));
                 }
                 continue;
             }
@@ -488,7 +682,7 @@ impl<S: Store> Idempotency<S> {
         {
             return Ok(None);
         }
-        let mut lease = self.lease_for(row);
+        let mut lease = self.lease_for(row, false);
         lease.effects = Effects::External;
         // The journal as of the claim: the row read before it may miss a step the old holder
         // committed in between (steps do not change the token).
@@ -548,7 +742,10 @@ impl<S: Store> Idempotency<S> {
             .filter(|row| row.lease_token == token && row.state == KeyState::Pending))
     }
 
-    fn lease_for(&self, row: &PendingRow<'_>) -> Lease<S> {
+    /// A lease on the key `row` reserved; `in_transaction` for a row written inside the
+    /// business transaction, which nobody sees before it commits (no heartbeat: nothing to
+    /// extend, nobody to take it over).
+    fn lease_for(&self, row: &PendingRow<'_>, in_transaction: bool) -> Lease<S> {
         Lease {
             store: self.store.clone(),
             key: row.key.clone(),
@@ -557,8 +754,11 @@ impl<S: Store> Idempotency<S> {
             retention: self.retention,
             armed: true,
             resumed: None,
-            heartbeat: self.heartbeat_for(row.key, row.token),
+            heartbeat: (!in_transaction)
+                .then(|| self.heartbeat_for(row.key, row.token))
+                .flatten(),
             replay_cache: self.cache_for(row.fingerprint),
+            in_transaction,
         }
     }
 
@@ -583,6 +783,7 @@ impl<S: Store> Idempotency<S> {
             resumed: record.request.is_some().then(|| Box::new(record.clone())),
             heartbeat: self.heartbeat_for(&record.key, token),
             replay_cache: self.cache_for(record.fingerprint),
+            in_transaction: false,
         }
     }
 
@@ -788,22 +989,28 @@ impl<S: Store> Idempotency<S> {
         &self,
         attempt: &Attempt,
     ) -> Result<Started<S, R>, Error<E>> {
-        // 1. Reserve, committed before any work.
-        let mut lease = match self.reserve(attempt).await.map_err(Error::widen)? {
-            Reservation::Completed(bytes) => {
+        // 1. Reserve, committed before any work (or, in the single-transaction mode, inside
+        // the business transaction); 2. the business transaction the work runs in.
+        match self.begin_reserved(attempt).await.map_err(Error::widen)? {
+            Begun::Completed(bytes) => {
                 let stored = serde_json::from_slice(&bytes).map_err(Error::Serialization)?;
-                return Ok(Started::Replayed(stored));
+                Ok(Started::Replayed(stored))
             }
-            Reservation::Acquired(lease) => lease,
-        };
+            Begun::Acquired(lease, tx) => Ok(Started::Acquired(lease, tx)),
+        }
+    }
 
-        // 2. The business transaction the work runs in.
-        match self.store.begin().await {
-            Ok(tx) => Ok(Started::Acquired(lease, tx)),
-            Err(e) => {
-                lease.release_quietly().await;
-                Err(e.into())
-            }
+    /// Parks the key of failed work (its transaction rolled back) for a human, logging a
+    /// failure; in the single-transaction mode, under a reservation committed for it.
+    async fn park(&self, attempt: &Attempt, lease: Lease<S>, reason: &str) {
+        let parked = match self.reserve_committed(attempt, lease).await {
+            Ok(Reservation::Acquired(lease)) => lease.park(reason).await.map_err(Error::from),
+            // A duplicate holds or settled the key meanwhile: nothing of ours to park.
+            Ok(_) => Ok(false),
+            Err(error) => Err(error),
+        };
+        if let Err(error) = parked {
+            tracing::error!(%error, key = %attempt.key, "could not park idempotency key");
         }
     }
 
@@ -841,9 +1048,7 @@ impl<S: Store> Idempotency<S> {
                     }
                 };
                 if let Some(reason) = reason {
-                    if let Err(error) = lease.park(&reason).await {
-                        tracing::error!(%error, key = %attempt.key, "could not park idempotency key");
-                    }
+                    self.park(attempt, lease, &reason).await;
                 }
                 return Err(Error::Operation(e));
             }

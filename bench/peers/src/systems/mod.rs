@@ -17,6 +17,9 @@ pub enum System {
     Ours,
     /// The same, with the opt-in in-process replay cache (`Idempotency::with_replay_cache`).
     OursCached,
+    /// The same, in the opt-in single-transaction mode (`Idempotency::with_single_transaction`):
+    /// the key row is written inside the handler's transaction.
+    OursSingleTx,
     /// The `axum-idempotent` crate, on `ruts` sessions in PostgreSQL.
     AxumIdempotent,
     /// The `idempotent` crate, its tower middleware on its Valkey/Redis store.
@@ -33,8 +36,9 @@ pub struct Config {
 pub async fn start(system: System, config: &Config) -> anyhow::Result<Server> {
     match system {
         System::Baseline => baseline::start(&config.database_url).await,
-        System::Ours => ours::start(&config.database_url, false).await,
-        System::OursCached => ours::start(&config.database_url, true).await,
+        System::Ours => ours::start(&config.database_url, ours::Mode::Plain).await,
+        System::OursCached => ours::start(&config.database_url, ours::Mode::Cached).await,
+        System::OursSingleTx => ours::start(&config.database_url, ours::Mode::SingleTx).await,
         System::AxumIdempotent => axum_idempotent::start(&config.database_url).await,
         System::Idempotent => idempotent::start(&config.database_url, &config.redis_url).await,
     }

@@ -9,9 +9,21 @@ use axum::{Json, Router, extract::State, response::Response, routing::post};
 use idempotency::{Idempotency, PgStore, Store};
 use idempotency_http::{IdempotencyLayer, IdempotentTx};
 use sqlx::Postgres;
+use std::time::Duration;
 
-/// Starts our layer; `cached` turns the replay cache on (100,000 results).
-pub async fn start(database_url: &str, cached: bool) -> anyhow::Result<Server> {
+/// How our engine is set up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// The defaults: the reservation commits on its own.
+    Plain,
+    /// The replay cache on (100,000 results).
+    Cached,
+    /// The single-transaction mode (duplicates wait up to 5 s).
+    SingleTx,
+}
+
+/// Starts our layer in `mode`.
+pub async fn start(database_url: &str, mode: Mode) -> anyhow::Result<Server> {
     let pool = server::pool(database_url).await?;
     let store = PgStore::new(pool.clone());
     store.migrate().await?;
@@ -20,16 +32,18 @@ pub async fn start(database_url: &str, cached: bool) -> anyhow::Result<Server> {
         .bind(format!("{}%", server::USER_PREFIX))
         .execute(&pool)
         .await?;
-    let (name, table) = if cached {
-        ("ours + replay cache", "peers_ours_cached_orders")
-    } else {
-        ("ours", "peers_ours_orders")
+    let (name, table) = match mode {
+        Mode::Plain => ("ours", "peers_ours_orders"),
+        Mode::Cached => ("ours + replay cache", "peers_ours_cached_orders"),
+        Mode::SingleTx => ("ours, single transaction", "peers_ours_single_tx_orders"),
     };
     let orders = Orders::create(pool, table).await?;
-    let mut engine = Idempotency::new(store);
-    if cached {
-        engine = engine.with_replay_cache(100_000);
-    }
+    let engine = Idempotency::new(store);
+    let engine = match mode {
+        Mode::Plain => engine,
+        Mode::Cached => engine.with_replay_cache(100_000),
+        Mode::SingleTx => engine.with_single_transaction(Duration::from_secs(5)),
+    };
     let layer = IdempotencyLayer::new(engine).with_scope_from(server::user);
     let router = Router::new()
         .route("/orders", post(create_order))

@@ -258,7 +258,18 @@ where
     let detached = Router::new()
         .route("/detached", post(create_order::<S::Database>))
         .route_layer(layer(store.clone()).with_detach(true));
+    // The engine's single-transaction mode (PostgreSQL; the other stores reserve as usual).
+    let single_tx = Router::new()
+        .route("/single-tx-orders", post(create_order::<S::Database>))
+        .route_layer(
+            IdempotencyLayer::new(
+                Idempotency::new(store.clone()).with_single_transaction(Duration::from_secs(5)),
+            )
+            .with_scope_from(|parts| header(&parts.headers, "x-user").map(str::to_owned))
+            .with_stored_headers([http::HeaderName::from_static("x-order-id")]),
+        );
     orders
+        .merge(single_tx)
         .merge(strict)
         .merge(detached)
         .merge(optional)

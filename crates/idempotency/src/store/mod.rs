@@ -342,6 +342,29 @@ pub enum Insertion {
     Vanished,
 }
 
+/// The answer of [`Store::reserve_in`] (the single-transaction mode,
+/// [`Idempotency::with_single_transaction`](crate::Idempotency::with_single_transaction)).
+///
+/// ```
+/// use idempotency::ReservedIn;
+/// // Only `Inserted` lets the work run in the transaction; the others roll it back.
+/// assert_ne!(ReservedIn::Busy, ReservedIn::Inserted);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ReservedIn {
+    /// The pending row is written in the transaction, not committed: the caller holds the key
+    /// for as long as the transaction lives, and nobody else sees the row.
+    Inserted,
+    /// The key has a committed row (perhaps after waiting for the transaction that wrote it):
+    /// roll back and answer it the article's way ([`Store::insert_pending`]).
+    Exists,
+    /// Another transaction held the key for longer than the wait.
+    Busy,
+    /// This store reserves only on its own commit.
+    Unsupported,
+}
+
 /// The statements the protocol needs, one per step of the article.
 ///
 /// Implementations must make [`insert_pending`](Store::insert_pending) a single INSERT against the
@@ -401,6 +424,29 @@ pub trait Store: Clone + Send + Sync + 'static {
     fn begin(
         &self,
     ) -> impl Future<Output = Result<sqlx::Transaction<'static, Self::Database>, StoreError>> + Send;
+
+    /// Whether [`reserve_in`](Store::reserve_in) can reserve inside the business transaction:
+    /// the database queues a duplicate INSERT on the unique index until the first transaction
+    /// ends (PostgreSQL). `false` by default.
+    fn reserves_in_transaction(&self) -> bool {
+        false
+    }
+
+    /// The single-transaction mode's reservation: INSERTs the pending `row` inside `tx`, the
+    /// business transaction, without committing it. A duplicate's INSERT then waits on the
+    /// unique index until `tx` ends, for at most `wait` (then [`ReservedIn::Busy`]); after a
+    /// commit it finds the row ([`ReservedIn::Exists`]), after a rollback it inserts its own.
+    /// Only for [`Effects::Local`] work that is not journaled. By default
+    /// [`ReservedIn::Unsupported`].
+    fn reserve_in(
+        &self,
+        tx: &mut sqlx::Transaction<'static, Self::Database>,
+        row: &PendingRow<'_>,
+        wait: Duration,
+    ) -> impl Future<Output = Result<ReservedIn, StoreError>> + Send {
+        let _ = (tx, row, wait);
+        async { Ok(ReservedIn::Unsupported) }
+    }
 
     /// Inside the business transaction: marks the key completed with `result`, only where it is
     /// pending with `token`. `false` means the lease was lost and the transaction must roll back.

@@ -2,7 +2,7 @@
 
 use super::migration::{self, Bookkeeping, Migration};
 use super::row::KeyRow;
-use super::{millis, Insertion, KeyRecord, LeaseToken, PendingRow, Store};
+use super::{millis, Insertion, KeyRecord, LeaseToken, PendingRow, ReservedIn, Store};
 use crate::{error::StoreError, Fingerprint, IdempotencyKey};
 use sqlx::{postgres::PgRow, PgPool, Postgres, Row, Transaction};
 use std::{collections::HashMap, sync::Arc, time::Duration};
@@ -82,6 +82,32 @@ fn reservation_durability(row: &PendingRow<'_>) -> &'static str {
     } else {
         "off"
     }
+}
+
+/// The single-transaction reservation ([`Store::reserve_in`]): the INSERT runs under
+/// `lock_timeout = $9` (milliseconds), and the transaction's previous `lock_timeout` is put back
+/// in the same statement, after the INSERT (each step reads the one before it, which orders
+/// them), so the business work keeps the caller's setting.
+const RESERVE_IN: &str = "WITH before AS (SELECT current_setting('lock_timeout') AS setting),
+    waiting AS (SELECT set_config('lock_timeout', $9, true) AS setting FROM before),
+    inserted AS (
+        INSERT INTO idempotency_keys
+            (scope, operation, idem_key, state, effects, fingerprint, lease_token, lease_until, expires_at)
+        SELECT $1, $2, $3, 'pending', $4, $5, $6,
+               now() + $7 * INTERVAL '1 millisecond', now() + $8 * INTERVAL '1 millisecond'
+          FROM waiting
+        ON CONFLICT (scope, operation, idem_key) DO NOTHING
+        RETURNING 1
+    ),
+    restored AS (
+        SELECT set_config('lock_timeout', before.setting, true) AS setting
+          FROM before, (SELECT count(*) AS rows FROM inserted) AS done
+    )
+    SELECT EXISTS (SELECT 1 FROM inserted) AS inserted, (SELECT setting FROM restored) AS lock_timeout";
+
+/// `lock_not_available` (55P03): `lock_timeout` ran out.
+fn lock_timed_out(error: &sqlx::Error) -> bool {
+    matches!(error, sqlx::Error::Database(db) if db.code().as_deref() == Some("55P03"))
 }
 
 const FIND: &str = concat!(
@@ -286,6 +312,40 @@ impl Store for PgStore {
     async fn begin(&self) -> Result<Transaction<'static, Postgres>, StoreError> {
         let pool = self.pool.clone();
         super::uncancellable(async move { Ok(pool.begin().await?) }).await
+    }
+
+    fn reserves_in_transaction(&self) -> bool {
+        true
+    }
+
+    async fn reserve_in(
+        &self,
+        tx: &mut Transaction<'static, Postgres>,
+        row: &PendingRow<'_>,
+        wait: Duration,
+    ) -> Result<ReservedIn, StoreError> {
+        // 0 would mean "wait forever" to PostgreSQL.
+        let wait_ms = millis(wait).max(1).to_string();
+        let answer = sqlx::query_scalar::<_, bool>(RESERVE_IN)
+            .bind(row.key.scope())
+            .bind(row.key.operation())
+            .bind(row.key.key())
+            .bind(row.effects.as_str())
+            .bind(row.fingerprint.as_bytes().as_slice())
+            .bind(row.token.0)
+            .bind(row.lease_millis())
+            .bind(row.retention_millis())
+            .bind(wait_ms)
+            .fetch_one(&mut **tx)
+            .await;
+        match answer {
+            Ok(true) => Ok(ReservedIn::Inserted),
+            Ok(false) => Ok(ReservedIn::Exists),
+            Err(e) if lock_timed_out(&e) => Ok(ReservedIn::Busy),
+            // REPEATABLE READ or SERIALIZABLE: the row committed after our snapshot.
+            Err(e) if lost_race(&e) => Ok(ReservedIn::Exists),
+            Err(e) => Err(e.into()),
+        }
     }
 
     async fn complete(
