@@ -317,8 +317,9 @@ impl<S: Store> Idempotency<S> {
     /// **Single-transaction mode** for local work (off by default): the key row is inserted
     /// *inside* the business transaction instead of in a reservation committed on its own, and
     /// completed and committed with the work. A duplicate's INSERT waits on the unique index
-    /// until that transaction ends, for at most `wait` (PostgreSQL's `lock_timeout`, set for
-    /// that one statement), and then replays the stored result instead of getting
+    /// until that transaction ends, for at most `wait` (set for that one statement:
+    /// PostgreSQL's `lock_timeout`; InnoDB's `innodb_lock_wait_timeout`, in whole seconds,
+    /// rounded up), and then replays the stored result instead of getting
     /// [`Error::InProgress`]; after `wait` it does get [`Error::InProgress`]. One round trip and
     /// one commit fewer per first request.
     ///
@@ -336,8 +337,8 @@ impl<S: Store> Idempotency<S> {
     /// It applies only to [`Effects::Local`] work that is not journaled: work with an outside
     /// effect always reserves on its own commit first, since a reservation nobody sees could
     /// not be found by the recovery job after a crash. It needs a store whose database queues
-    /// duplicate INSERTs on the unique index ([`Store::reserves_in_transaction`]: PostgreSQL);
-    /// other stores reserve the article's way.
+    /// duplicate INSERTs on the unique index ([`Store::reserves_in_transaction`]: PostgreSQL,
+    /// MySQL and MariaDB); SQLite reserves the article's way.
     ///
     /// ```no_run
     /// # async fn demo() -> Result<(), idempotency::StoreError> {

@@ -258,7 +258,7 @@ where
     let detached = Router::new()
         .route("/detached", post(create_order::<S::Database>))
         .route_layer(layer(store.clone()).with_detach(true));
-    // The engine's single-transaction mode (PostgreSQL; the other stores reserve as usual).
+    // The engine's single-transaction mode (PostgreSQL, MariaDB; SQLite reserves as usual).
     let single_tx = Router::new()
         .route("/single-tx-orders", post(create_order::<S::Database>))
         .route_layer(

@@ -427,7 +427,7 @@ pub trait Store: Clone + Send + Sync + 'static {
 
     /// Whether [`reserve_in`](Store::reserve_in) can reserve inside the business transaction:
     /// the database queues a duplicate INSERT on the unique index until the first transaction
-    /// ends (PostgreSQL). `false` by default.
+    /// ends (PostgreSQL, InnoDB). `false` by default.
     fn reserves_in_transaction(&self) -> bool {
         false
     }

@@ -2,13 +2,16 @@
 
 use super::migration::{self, Bookkeeping, Migration};
 use super::row::{uuid, KeyRow};
-use super::{millis, Insertion, KeyRecord, LeaseToken, PendingRow, Store};
+use super::{millis, Insertion, KeyRecord, LeaseToken, PendingRow, ReservedIn, Store};
 use crate::{error::StoreError, Fingerprint, IdempotencyKey};
 use sqlx::{
     mysql::{MySqlDatabaseError, MySqlRow},
     Connection, MySql, MySqlPool, Row, Transaction,
 };
-use std::time::Duration;
+use std::{
+    sync::{Arc, OnceLock},
+    time::Duration,
+};
 
 /// The key table's migrations, applied in order by [`Store::migrate`].
 pub(crate) const MIGRATIONS: &[Migration] = &[
@@ -131,13 +134,59 @@ const PARK: &str = "UPDATE idempotency_keys SET state = 'needs_review', reason =
 #[derive(Debug, Clone)]
 pub struct MySqlStore {
     pool: MySqlPool,
+    /// The server's flavour, learnt from `VERSION()` by the first single-transaction
+    /// reservation.
+    flavor: Arc<OnceLock<Flavor>>,
+}
+
+/// How one statement's lock wait is bounded: MariaDB's `SET STATEMENT … FOR`, or MySQL's
+/// optimizer hint `SET_VAR` (each ignores or refuses the other's).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Flavor {
+    MariaDb,
+    MySql,
+}
+
+impl Flavor {
+    /// The single-transaction reservation: [`INSERT`] waiting at most `seconds` for a lock.
+    fn bounded_insert(self, seconds: u64) -> String {
+        match self {
+            Flavor::MariaDb => {
+                format!("SET STATEMENT innodb_lock_wait_timeout = {seconds} FOR {INSERT}")
+            }
+            Flavor::MySql => INSERT.replacen(
+                "INSERT INTO",
+                &format!("INSERT /*+ SET_VAR(innodb_lock_wait_timeout = {seconds}) */ INTO"),
+                1,
+            ),
+        }
+    }
 }
 
 impl MySqlStore {
     /// A store on an existing pool (the application's own). Any session isolation level works:
     /// the reservation does not depend on it.
     pub fn new(pool: MySqlPool) -> Self {
-        Self { pool }
+        Self {
+            pool,
+            flavor: Arc::default(),
+        }
+    }
+
+    /// The server's flavour, asked on `tx` the first time.
+    async fn flavor(&self, tx: &mut Transaction<'static, MySql>) -> Result<Flavor, StoreError> {
+        if let Some(flavor) = self.flavor.get() {
+            return Ok(*flavor);
+        }
+        let version: String = sqlx::query_scalar("SELECT VERSION()")
+            .fetch_one(&mut **tx)
+            .await?;
+        let flavor = if version.contains("MariaDB") {
+            Flavor::MariaDb
+        } else {
+            Flavor::MySql
+        };
+        Ok(*self.flavor.get_or_init(|| flavor))
     }
 
     /// Connects a new pool, without sqlx's ping on every checkout
@@ -381,6 +430,44 @@ impl Store for MySqlStore {
     async fn begin(&self) -> Result<Transaction<'static, MySql>, StoreError> {
         let pool = self.pool.clone();
         super::uncancellable(async move { Ok(pool.begin().await?) }).await
+    }
+
+    fn reserves_in_transaction(&self) -> bool {
+        true
+    }
+
+    /// InnoDB queues a duplicate's INSERT on the primary key behind the uncommitted row. The wait
+    /// is bounded per statement in whole seconds (`innodb_lock_wait_timeout`, at least 1), so
+    /// `wait` is rounded up. Waiters left when a holder rolls back may deadlock on the freed
+    /// key (1213, their transaction rolled back): they answer [`ReservedIn::Exists`] and reserve
+    /// the article's way, which decides.
+    async fn reserve_in(
+        &self,
+        tx: &mut Transaction<'static, MySql>,
+        row: &PendingRow<'_>,
+        wait: Duration,
+    ) -> Result<ReservedIn, StoreError> {
+        let seconds = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
+        let sql = self.flavor(tx).await?.bounded_insert(seconds.max(1));
+        let inserted = sqlx::query(&sql)
+            .bind(row.key.scope().as_bytes())
+            .bind(row.key.operation().as_bytes())
+            .bind(row.key.key().as_bytes())
+            .bind(row.effects.as_str())
+            .bind(row.fingerprint.as_bytes().as_slice())
+            .bind(row.token.0.as_bytes().as_slice())
+            .bind(micros(row.lease))
+            .bind(micros(row.retention))
+            .execute(&mut **tx)
+            .await;
+        match inserted {
+            Ok(_) => Ok(ReservedIn::Inserted),
+            Err(e) => match error_number(&e) {
+                Some(ER_DUP_ENTRY | ER_LOCK_DEADLOCK) => Ok(ReservedIn::Exists),
+                Some(ER_LOCK_WAIT_TIMEOUT) => Ok(ReservedIn::Busy),
+                _ => Err(e.into()),
+            },
+        }
     }
 
     async fn complete(
