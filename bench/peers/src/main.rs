@@ -46,7 +46,7 @@ struct Args {
         long,
         value_enum,
         value_delimiter = ',',
-        default_value = "ours,ours-cached,axum-idempotent,idempotent"
+        default_value = "ours,ours-single-tx,ours-cached,axum-idempotent,idempotent"
     )]
     systems: Vec<System>,
     /// Every pool hands out connections without sqlx's ping per checkout (one round trip less

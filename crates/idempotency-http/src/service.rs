@@ -493,27 +493,16 @@ where
     let (mut response_parts, response_body) = response.into_parts();
     let disposition = disposition_of(&settings, &mut response_parts);
     let store = disposition == Some(Disposition::Store);
-    // Only a success or a redirection commits the handler's writes; a stored client error is
-    // stored without them, in a transaction of its own.
-    let tx = match tx {
-        Some(tx) if store && commits_writes(response_parts.status) => Some(tx),
-        Some(tx) => {
-            let _ = tx.rollback().await;
-            None
-        }
-        None => None,
-    };
+    let tx = writes_to_commit(tx, store && commits_writes(response_parts.status)).await;
     // A key stored without the work's writes, or parked, needs a committed row of its own.
     let settled_alone =
         (store && tx.is_none()) || matches!(disposition, Some(Disposition::Park(_)));
-    if settled_alone && lease.in_transaction && !lease.recommit(&settings, &attempt).await {
-        return Ok(Response::from_parts(
-            response_parts,
-            Body::new(response_body),
-        ));
-    }
-    if !store {
-        lease.settle_unstored(disposition).await;
+    let held =
+        !(settled_alone && lease.in_transaction) || lease.recommit(&settings, &attempt).await;
+    if !store || !held {
+        if held {
+            lease.settle_unstored(disposition).await;
+        }
         return Ok(Response::from_parts(
             response_parts,
             Body::new(response_body),
@@ -529,6 +518,23 @@ where
         started,
     )
     .await)
+}
+
+/// The handler's transaction, if its writes are to commit with the key's completion (`commit`:
+/// only a stored success or redirection); otherwise rolled back here, and a stored client error
+/// is stored without them, in a transaction of its own.
+async fn writes_to_commit<DB: sqlx::Database>(
+    tx: Option<sqlx::Transaction<'static, DB>>,
+    commit: bool,
+) -> Option<sqlx::Transaction<'static, DB>> {
+    match tx {
+        Some(tx) if commit => Some(tx),
+        Some(tx) => {
+            let _ = tx.rollback().await;
+            None
+        }
+        None => None,
+    }
 }
 
 /// Calls the handler with the transaction slot, the lease and the key in the request's
