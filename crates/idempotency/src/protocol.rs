@@ -541,15 +541,7 @@ impl<S: Store> Idempotency<S> {
             }
         }
         let mut tx = self.store.begin().await?;
-        let row = PendingRow {
-            key: &attempt.key,
-            fingerprint: attempt.fingerprint,
-            token: LeaseToken::new(),
-            effects: attempt.effects,
-            journaled: attempt.journaled,
-            lease: self.lease,
-            retention: self.retention,
-        };
+        let row = self.pending_row(attempt);
         let reserved = self.store.reserve_in(&mut tx, &row, wait).await;
         if let Ok(ReservedIn::Inserted) = reserved {
             self.recent_replays.observe(false);
@@ -625,15 +617,7 @@ impl<S: Store> Idempotency<S> {
     /// The reserving INSERT and, on conflict, the decision on the existing row.
     async fn insert_or_read(&self, attempt: &Attempt) -> Result<Reservation<S>, Error> {
         for _ in 0..RESERVE_ATTEMPTS {
-            let row = PendingRow {
-                key: &attempt.key,
-                fingerprint: attempt.fingerprint,
-                token: LeaseToken::new(),
-                effects: attempt.effects,
-                journaled: attempt.journaled,
-                lease: self.lease,
-                retention: self.retention,
-            };
+            let row = self.pending_row(attempt);
             let existing = match self.store.insert_pending(&row).await? {
                 Insertion::Inserted => {
                     return Ok(Reservation::Acquired(self.lease_for(&row, false)))
@@ -741,6 +725,19 @@ impl<S: Store> Idempotency<S> {
             .find(key)
             .await?
             .filter(|row| row.lease_token == token && row.state == KeyState::Pending))
+    }
+
+    /// The row that reserves `attempt`'s key for a new holder (a fresh token).
+    fn pending_row<'a>(&self, attempt: &'a Attempt) -> PendingRow<'a> {
+        PendingRow {
+            key: &attempt.key,
+            fingerprint: attempt.fingerprint,
+            token: LeaseToken::new(),
+            effects: attempt.effects,
+            journaled: attempt.journaled,
+            lease: self.lease,
+            retention: self.retention,
+        }
     }
 
     /// A lease on the key `row` reserved; `in_transaction` for a row written inside the

@@ -8,11 +8,7 @@ use idempotency::{
     Attempt, Error, Fingerprint, Idempotency, IdempotencyKey, MySqlStore, PgStore, Reservation,
     SqliteStore, Store,
 };
-use std::{
-    io::{BufRead, BufReader},
-    process::{Command, Stdio},
-    time::{Duration, Instant},
-};
+use std::time::{Duration, Instant};
 use test_support::Backend;
 
 /// The holder's lease; its heartbeat beats every third of it.
@@ -92,27 +88,12 @@ async fn measure<S: Store>(store: S, url: &str, backend: Backend) {
     let (mut lease_ends, mut waits) = (Vec::new(), Vec::new());
     for trial in 0..TRIALS {
         let key = format!("k-{trial}");
-        let mut child = Command::new(std::env::current_exe().expect("this test binary"))
-            .args(["the_child_holds_a_key_until_killed", "--exact", "--ignored"])
-            .args(["--nocapture", "--test-threads", "1"])
-            .env(URL_VAR, url)
-            .env(KEY_VAR, &key)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn the holder");
-        let stdout = child.stdout.take().expect("piped");
-        tokio::task::spawn_blocking(move || {
-            for line in BufReader::new(stdout).lines() {
-                // libtest's "test <name> ... " has no newline before it: the marker ends a line.
-                if line.expect("the child's output").ends_with(HELD) {
-                    return;
-                }
-            }
-            panic!("the holder ended before it held its key");
-        })
-        .await
-        .expect("reading the child");
+        let mut child = test_support::spawn_child_test(
+            "the_child_holds_a_key_until_killed",
+            &[(URL_VAR, url), (KEY_VAR, &key)],
+            HELD,
+        )
+        .await;
         // Killed at a different phase of its beats in each trial, after at least one lease.
         tokio::time::sleep(
             LEASE + LEASE * (trial % 7) / 3 + Duration::from_millis(17 * u64::from(trial % 11)),

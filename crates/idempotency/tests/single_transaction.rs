@@ -12,8 +12,6 @@ use idempotency::{
 };
 use serde_json::json;
 use std::{
-    io::{BufRead, BufReader},
-    process::{Command, Stdio},
     sync::{
         atomic::{AtomicBool, Ordering},
         Arc,
@@ -322,26 +320,12 @@ async fn kill_holders<S: Harness>(store: S, url: &str) {
     store.migrate().await.expect("migrate");
     for trial in 0..10 {
         let key = unique("kill");
-        let mut child = Command::new(std::env::current_exe().expect("this test binary"))
-            .args(["the_child_works_in_its_transaction_until_killed", "--exact"])
-            .args(["--ignored", "--nocapture", "--test-threads", "1"])
-            .env(URL_VAR, url)
-            .env(KEY_VAR, &key)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn the holder");
-        let stdout = child.stdout.take().expect("piped");
-        tokio::task::spawn_blocking(move || {
-            for line in BufReader::new(stdout).lines() {
-                if line.expect("the child's output").ends_with(WORKING) {
-                    return;
-                }
-            }
-            panic!("the holder ended before it wrote");
-        })
-        .await
-        .expect("reading the child");
+        let mut child = test_support::spawn_child_test(
+            "the_child_works_in_its_transaction_until_killed",
+            &[(URL_VAR, url), (KEY_VAR, &key)],
+            WORKING,
+        )
+        .await;
         let idem = engine(&store);
         let a = attempt("killed", &key, json!({"key": key}));
         let duplicate = tokio::spawn({

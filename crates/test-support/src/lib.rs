@@ -205,6 +205,53 @@ pub async fn poll_then_drop<F: std::future::Future>(
     None
 }
 
+/// Runs the ignored test `test` of the current test binary as a child process, with `env`, and
+/// waits (off the runtime's threads) until it prints a line ending in `marker`: a real process
+/// for a test to SIGKILL at a known point of its work. Panics if the child ends first.
+///
+/// ```no_run
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() {
+/// let mut child = test_support::spawn_child_test("the_child_holds", &[("KEY", "k1")], "held").await;
+/// child.kill().expect("SIGKILL");
+/// child.wait().expect("reap it");
+/// # }
+/// ```
+pub async fn spawn_child_test(
+    test: &str,
+    env: &[(&str, &str)],
+    marker: &'static str,
+) -> std::process::Child {
+    use std::io::BufRead;
+    let mut child = std::process::Command::new(std::env::current_exe().expect("this test binary"))
+        .args([
+            test,
+            "--exact",
+            "--ignored",
+            "--nocapture",
+            "--test-threads",
+            "1",
+        ])
+        .envs(env.iter().copied())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("spawn the child test");
+    let stdout = child.stdout.take().expect("piped");
+    tokio::task::spawn_blocking(move || {
+        for line in std::io::BufReader::new(stdout).lines() {
+            // libtest's "test <name> ... " has no newline before it: the marker ends a line.
+            if line.expect("the child's output").ends_with(marker) {
+                return;
+            }
+        }
+        panic!("the child test ended before it printed {marker:?}");
+    })
+    .await
+    .expect("reading the child");
+    child
+}
+
 #[cfg(test)]
 mod tests {
     use super::with_database;

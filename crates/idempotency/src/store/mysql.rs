@@ -228,6 +228,23 @@ pub(crate) fn lost_race(error: &sqlx::Error) -> bool {
     )
 }
 
+/// Binds the placeholders of [`INSERT`]: the key, its effects, fingerprint and token, the lease
+/// and the retention in microseconds.
+fn bind_pending<'q>(
+    query: sqlx::query::Query<'q, MySql, sqlx::mysql::MySqlArguments>,
+    row: &'q PendingRow<'_>,
+) -> sqlx::query::Query<'q, MySql, sqlx::mysql::MySqlArguments> {
+    query
+        .bind(row.key.scope().as_bytes())
+        .bind(row.key.operation().as_bytes())
+        .bind(row.key.key().as_bytes())
+        .bind(row.effects.as_str())
+        .bind(row.fingerprint.as_bytes().as_slice())
+        .bind(row.token.0.as_bytes().as_slice())
+        .bind(micros(row.lease))
+        .bind(micros(row.retention))
+}
+
 /// Microseconds for `INTERVAL ? MICROSECOND`, saturating.
 fn micros(duration: Duration) -> i64 {
     millis(duration).saturating_mul(1000)
@@ -291,15 +308,7 @@ const BOOKKEEPING: Bookkeeping = Bookkeeping {
 
 impl MySqlStore {
     async fn try_insert(&self, row: &PendingRow<'_>) -> Result<(), sqlx::Error> {
-        sqlx::query(INSERT)
-            .bind(row.key.scope().as_bytes())
-            .bind(row.key.operation().as_bytes())
-            .bind(row.key.key().as_bytes())
-            .bind(row.effects.as_str())
-            .bind(row.fingerprint.as_bytes().as_slice())
-            .bind(row.token.0.as_bytes().as_slice())
-            .bind(micros(row.lease))
-            .bind(micros(row.retention))
+        bind_pending(sqlx::query(INSERT), row)
             .execute(&self.pool)
             .await
             .map(drop)
@@ -449,15 +458,7 @@ impl Store for MySqlStore {
     ) -> Result<ReservedIn, StoreError> {
         let seconds = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
         let sql = self.flavor(tx).await?.bounded_insert(seconds.max(1));
-        let inserted = sqlx::query(&sql)
-            .bind(row.key.scope().as_bytes())
-            .bind(row.key.operation().as_bytes())
-            .bind(row.key.key().as_bytes())
-            .bind(row.effects.as_str())
-            .bind(row.fingerprint.as_bytes().as_slice())
-            .bind(row.token.0.as_bytes().as_slice())
-            .bind(micros(row.lease))
-            .bind(micros(row.retention))
+        let inserted = bind_pending(sqlx::query(&sql), row)
             .execute(&mut **tx)
             .await;
         match inserted {

@@ -105,6 +105,23 @@ const RESERVE_IN: &str = "WITH before AS (SELECT current_setting('lock_timeout')
     )
     SELECT EXISTS (SELECT 1 FROM inserted) AS inserted, (SELECT setting FROM restored) AS lock_timeout";
 
+/// Binds `$1`–`$8` of [`RESERVE`], [`RESERVE_IN`] and the take-over: the key, its effects, fingerprint and
+/// token, the lease and the retention in milliseconds.
+fn bind_pending<'q>(
+    query: sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments>,
+    row: &'q PendingRow<'_>,
+) -> sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments> {
+    query
+        .bind(row.key.scope())
+        .bind(row.key.operation())
+        .bind(row.key.key())
+        .bind(row.effects.as_str())
+        .bind(row.fingerprint.as_bytes().as_slice())
+        .bind(row.token.0)
+        .bind(row.lease_millis())
+        .bind(row.retention_millis())
+}
+
 /// `lock_not_available` (55P03): `lock_timeout` ran out.
 fn lock_timed_out(error: &sqlx::Error) -> bool {
     matches!(error, sqlx::Error::Database(db) if db.code().as_deref() == Some("55P03"))
@@ -217,15 +234,7 @@ impl Store for PgStore {
     }
 
     async fn insert_pending(&self, row: &PendingRow<'_>) -> Result<Insertion, StoreError> {
-        let answer = sqlx::query(RESERVE)
-            .bind(row.key.scope())
-            .bind(row.key.operation())
-            .bind(row.key.key())
-            .bind(row.effects.as_str())
-            .bind(row.fingerprint.as_bytes().as_slice())
-            .bind(row.token.0)
-            .bind(row.lease_millis())
-            .bind(row.retention_millis())
+        let answer = bind_pending(sqlx::query(RESERVE), row)
             .bind(reservation_durability(row))
             .fetch_one(&self.pool)
             .await;
@@ -276,7 +285,7 @@ impl Store for PgStore {
     }
 
     async fn take_over(&self, row: &PendingRow<'_>, stale: LeaseToken) -> Result<bool, StoreError> {
-        let done = sqlx::query(
+        let take_over = sqlx::query(
             "UPDATE idempotency_keys SET
                 state = 'pending', effects = $4, fingerprint = $5, lease_token = $6,
                 lease_until = now() + $7 * INTERVAL '1 millisecond',
@@ -289,18 +298,11 @@ impl Store for PgStore {
                AND (state = 'failed'
                     OR (state = 'completed' AND expires_at <= now())
                     OR (state = 'pending' AND effects = 'local' AND lease_until <= now()))",
-        )
-        .bind(row.key.scope())
-        .bind(row.key.operation())
-        .bind(row.key.key())
-        .bind(row.effects.as_str())
-        .bind(row.fingerprint.as_bytes().as_slice())
-        .bind(row.token.0)
-        .bind(row.lease_millis())
-        .bind(row.retention_millis())
-        .bind(stale.0)
-        .execute(&self.pool)
-        .await;
+        );
+        let done = bind_pending(take_over, row)
+            .bind(stale.0)
+            .execute(&self.pool)
+            .await;
         match done {
             Ok(done) => Ok(done.rows_affected() == 1),
             // Someone else changed the row first; the caller reads it again.
@@ -326,18 +328,11 @@ impl Store for PgStore {
     ) -> Result<ReservedIn, StoreError> {
         // 0 would mean "wait forever" to PostgreSQL.
         let wait_ms = millis(wait).max(1).to_string();
-        let answer = sqlx::query_scalar::<_, bool>(RESERVE_IN)
-            .bind(row.key.scope())
-            .bind(row.key.operation())
-            .bind(row.key.key())
-            .bind(row.effects.as_str())
-            .bind(row.fingerprint.as_bytes().as_slice())
-            .bind(row.token.0)
-            .bind(row.lease_millis())
-            .bind(row.retention_millis())
+        let answer = bind_pending(sqlx::query(RESERVE_IN), row)
             .bind(wait_ms)
             .fetch_one(&mut **tx)
-            .await;
+            .await
+            .and_then(|answer| answer.try_get::<bool, _>("inserted"));
         match answer {
             Ok(true) => Ok(ReservedIn::Inserted),
             Ok(false) => Ok(ReservedIn::Exists),
