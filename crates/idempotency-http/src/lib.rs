@@ -24,7 +24,12 @@
 //!    fingerprint → 422. Still running → 409 with `Retry-After` and `Retry-After-Ms`, or, with
 //!    [`IdempotencyLayer::with_wait_for_in_flight`], a bounded wait for the original and then its
 //!    stored response ([`in_flight`]). Parked → 409. Store unreachable → 503, and the handler is
-//!    **not** run.
+//!    **not** run. With the engine's opt-in single-transaction mode
+//!    ([`Idempotency::with_single_transaction`](idempotency::Idempotency::with_single_transaction),
+//!    local work on PostgreSQL or MySQL/MariaDB) the key row is instead written as the first
+//!    statement of the business transaction, begun here: a duplicate waits on the unique index
+//!    for the original's commit and replays it, and the handler's [`IdempotentTx`] is that
+//!    transaction.
 //! 7. Runs the handler. If it extracts [`IdempotentTx`], the business transaction is begun then
 //!    (never for handlers that do not ask for it). The held
 //!    [`IdempotencyKey`](idempotency::IdempotencyKey) is in the request extensions
