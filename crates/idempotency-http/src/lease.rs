@@ -38,6 +38,16 @@ impl<S: Store> LeaseSlot<S> {
         self.0.lock().unwrap_or_else(|e| e.into_inner()).is_some()
     }
 
+    /// Whether the lease in the slot reserved its key inside the business transaction
+    /// ([`Lease::is_in_transaction`]); `false` once taken.
+    pub(crate) fn is_in_transaction(&self) -> bool {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .is_some_and(Lease::is_in_transaction)
+    }
+
     /// The lease, if no handler took it.
     pub(crate) fn take(&self) -> Option<Lease<S>> {
         self.0.lock().unwrap_or_else(|e| e.into_inner()).take()

@@ -458,7 +458,6 @@ where
     let (settings, op) = (call.settings, call.operation.as_str());
     let started = std::time::Instant::now();
     let mut lease = HeldLease {
-        in_transaction: lease.is_in_transaction(),
         slot: LeaseSlot::new(lease),
         operation: op,
         effects: settings.effects,
@@ -498,7 +497,7 @@ where
     let settled_alone =
         (store && tx.is_none()) || matches!(disposition, Some(Disposition::Park(_)));
     let held =
-        !(settled_alone && lease.in_transaction) || lease.recommit(&settings, &attempt).await;
+        !(settled_alone && lease.in_transaction()) || lease.recommit(&settings, &attempt).await;
     if !store || !held {
         if held {
             lease.settle_unstored(disposition).await;
@@ -555,7 +554,7 @@ where
     parts.extensions.insert(slot.clone());
     // A key reserved inside the transaction is not the handler's to settle: whatever it did
     // with the lease outside that transaction would wait for the transaction itself.
-    if !lease.in_transaction {
+    if !lease.in_transaction() {
         parts.extensions.insert(lease.slot.clone());
     }
     // The key, for handlers that pass it on to an idempotent provider.
@@ -729,8 +728,6 @@ fn outcome_of_settled(status: http::StatusCode) -> &'static str {
 /// request), the key is released by [`Lease`]'s own drop; this counts it.
 struct HeldLease<'o, S: Store> {
     slot: LeaseSlot<S>,
-    /// The key row was written inside the business transaction (the single-transaction mode).
-    in_transaction: bool,
     operation: &'o str,
     effects: Effects,
     /// A durable operation's route: outside calls happen only under the lease the handler takes.
@@ -752,6 +749,12 @@ impl<S: Store> HeldLease<'_, S> {
         }
     }
 
+    /// Whether the key row was written inside the business transaction (the
+    /// single-transaction mode).
+    fn in_transaction(&self) -> bool {
+        self.slot.is_in_transaction()
+    }
+
     /// For a key reserved inside the transaction, which rolled back: the key reserved again on
     /// its own commit, to be stored or parked without the work's writes. `false` when a
     /// duplicate holds or settled the key meanwhile (or the store failed): nothing of ours to
@@ -761,7 +764,6 @@ impl<S: Store> HeldLease<'_, S> {
         match settings.idempotency.reserve_committed(attempt, lease).await {
             Ok(Reservation::Acquired(lease)) => {
                 self.slot = LeaseSlot::new(lease);
-                self.in_transaction = false;
                 true
             }
             Ok(_) => {

@@ -176,10 +176,16 @@ impl<S: Store> Lease<S> {
     /// pending with our token until the lease ends; then the resumer carries it on.
     pub async fn release(mut self) -> Result<bool, StoreError> {
         self.disarm();
-        if self.in_transaction || self.keeps_progress() {
+        if self.releases_nothing() {
             return Ok(false);
         }
         self.store.release(&self.key, self.token).await
+    }
+
+    /// Whether a release must not touch the store: the key row lives only in the business
+    /// transaction (its rollback is the release), or it holds progress a release would lose.
+    fn releases_nothing(&self) -> bool {
+        self.in_transaction || self.keeps_progress()
     }
 
     /// Whether this lease holds recorded progress that a release would lose (see
@@ -230,7 +236,7 @@ impl<S: Store> Lease<S> {
 
     pub(crate) async fn release_quietly(&mut self) {
         self.disarm();
-        if self.in_transaction || self.keeps_progress() {
+        if self.releases_nothing() {
             return;
         }
         if let Err(error) = self.store.release(&self.key, self.token).await {
@@ -243,7 +249,7 @@ impl<S: Store> Lease<S> {
     /// From a drop: releases the key in a task of its own (a drop cannot wait).
     pub(crate) fn release_in_background(&mut self) {
         self.disarm();
-        if self.in_transaction || self.keeps_progress() {
+        if self.releases_nothing() {
             return;
         }
         let (store, key, token) = (self.store.clone(), self.key.clone(), self.token);

@@ -467,15 +467,8 @@ impl<S: Store> Idempotency<S> {
     /// is in flight (a client hung up), the task finishes it and releases a key it reserved, so
     /// no key is left pending without a holder until its lease ends.
     pub async fn reserve(&self, attempt: &Attempt) -> Result<Reservation<S>, Error> {
-        // A cache hit does not vote on `replays_first`: that heuristic decides whether a
-        // database read comes first, and cached replays never reach the database.
-        if let Some(result) = self.cached_replay(attempt) {
+        if let Some(result) = self.replay_before_insert(attempt).await? {
             return Ok(Reservation::Completed(result));
-        }
-        if self.replays_first() {
-            if let Some(result) = self.stored_replay(attempt).await? {
-                return Ok(Reservation::Completed(result));
-            }
         }
         let (answer_tx, answer_rx) = tokio::sync::oneshot::channel();
         let (engine, attempt) = (self.clone(), attempt.clone());
@@ -532,13 +525,8 @@ impl<S: Store> Idempotency<S> {
         attempt: &Attempt,
         wait: Duration,
     ) -> Result<Option<Begun<S>>, Error> {
-        if let Some(result) = self.cached_replay(attempt) {
+        if let Some(result) = self.replay_before_insert(attempt).await? {
             return Ok(Some(Begun::Completed(result)));
-        }
-        if self.replays_first() {
-            if let Some(result) = self.stored_replay(attempt).await? {
-                return Ok(Some(Begun::Completed(result)));
-            }
         }
         let mut tx = self.store.begin().await?;
         let row = self.pending_row(attempt);
@@ -591,6 +579,20 @@ impl<S: Store> Idempotency<S> {
             Some(result) => Ok(Some(result)),
             None => self.stored_replay(attempt).await,
         }
+    }
+
+    /// What a reservation answers before it tries any INSERT: a cached replay, or, when
+    /// [`replays_first`](Self::replays_first), the store's replay read.
+    async fn replay_before_insert(&self, attempt: &Attempt) -> Result<Option<Vec<u8>>, Error> {
+        // A cache hit does not vote on `replays_first`: that heuristic decides whether a
+        // database read comes first, and cached replays never reach the database.
+        if let Some(result) = self.cached_replay(attempt) {
+            return Ok(Some(result));
+        }
+        if self.replays_first() {
+            return self.stored_replay(attempt).await;
+        }
+        Ok(None)
     }
 
     /// The store's replay read; a hit counts toward [`replays_first`](Self::replays_first).

@@ -105,8 +105,8 @@ const RESERVE_IN: &str = "WITH before AS (SELECT current_setting('lock_timeout')
     )
     SELECT EXISTS (SELECT 1 FROM inserted) AS inserted, (SELECT setting FROM restored) AS lock_timeout";
 
-/// Binds `$1`–`$8` of [`RESERVE`], [`RESERVE_IN`] and the take-over: the key, its effects, fingerprint and
-/// token, the lease and the retention in milliseconds.
+/// Binds `$1`–`$8` of [`RESERVE`], [`RESERVE_IN`] and the take-over: the key, its effects,
+/// fingerprint and token, the lease and the retention in milliseconds.
 fn bind_pending<'q>(
     query: sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments>,
     row: &'q PendingRow<'_>,
