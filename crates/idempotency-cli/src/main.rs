@@ -395,7 +395,11 @@ async fn recover<S: Maintenance>(store: &S, args: RecoverArgs) -> Result<()> {
     );
     let total = recovery
         .run_with(args.interval, shutdown(), |pass| match pass {
-            Ok(report) if report.acted() + report.unknown + report.skipped > 0 => print(report),
+            Ok(report)
+                if report.acted() + report.unknown + report.skipped + report.unregistered > 0 =>
+            {
+                print(report)
+            }
             Ok(_) => {}
             Err(error) => eprintln!("recovery pass failed (retrying): {error}"),
         })

@@ -184,6 +184,7 @@ pub fn recovery_json(report: &RecoveryReport) -> Value {
         "parked": report.parked,
         "unknown": report.unknown,
         "skipped": report.skipped,
+        "unregistered": report.unregistered,
     })
 }
 

@@ -217,19 +217,15 @@ impl<S: Store> IdempotencyLayer<S> {
         self
     }
 
-    /// Declares that the handler runs a durable operation through [`KeyLease`](crate::KeyLease)
-    /// and [`Idempotency::perform_reserved`](idempotency::Idempotency::perform_reserved), so it
-    /// makes no outside call before a recovery point is committed (default `false`). The
-    /// reservation is then not flushed on its own ([`Attempt::with_journaled`](idempotency::Attempt::with_journaled)),
-    /// and an answer given before the handler took the lease (a rejected body, a failed check)
-    /// releases the key even with [`Effects::External`]: nothing can have gone out.
-    ///
-    /// ```no_run
-    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::PgStore>) {
-    /// let layer = layer.with_effects(idempotency::Effects::External).with_journaled(true);
-    /// # }
-    /// ```
-    pub fn with_journaled(mut self, journaled: bool) -> Self {
+    /// Declares that the handler runs a durable operation through [`KeyLease`](crate::KeyLease),
+    /// so it makes no outside call before a recovery point is committed. Set only by
+    /// [`DurableRoute::layer`](crate::DurableRoute::layer), which takes the operation from the
+    /// registry the worker resumes with. The reservation is then not flushed on its own
+    /// ([`Attempt::with_journaled`](idempotency::Attempt::with_journaled)). An answer given before
+    /// the handler took the lease is settled like any route's: a definitive one (a rejected body,
+    /// 4xx) is stored and replayed; a 5xx, a panic or a cancellation releases the key even with
+    /// [`Effects::External`], since nothing can have gone out.
+    pub(crate) fn with_journaled(mut self, journaled: bool) -> Self {
         self.settings.journaled = journaled;
         self
     }

@@ -170,6 +170,7 @@
 struct ReadmeDoctests;
 
 mod disposition;
+mod durable;
 mod error;
 pub mod header;
 pub mod in_flight;
@@ -183,6 +184,7 @@ mod stored;
 mod tx;
 
 pub use disposition::{commits_writes, default_disposition, is_definitive};
+pub use durable::{DurableRoute, UnregisteredOperation};
 pub use error::{BoxError, IdempotencyRejection, InternalError};
 pub use layer::IdempotencyLayer;
 pub use lease::{KeyLease, LeaseRejection};

@@ -50,6 +50,10 @@ pub mod types {
     pub const BODY_NOT_JSON: &str = "https://idempotency.dev/problems/body-not-json";
     /// 400: the request body could not be read.
     pub const BODY_UNREADABLE: &str = "https://idempotency.dev/problems/body-unreadable";
+    /// 503: a durable operation did not settle in this request (an outside outcome is unknown,
+    /// or it stopped after a step took effect): it is carried on in the background; retry with
+    /// the same key after `Retry-After`.
+    pub const OPERATION_PENDING: &str = "https://idempotency.dev/problems/operation-pending";
     /// 503: the idempotency store cannot be reached; nothing was run.
     pub const STORE_UNAVAILABLE: &str = "https://idempotency.dev/problems/store-unavailable";
     /// 500: an internal failure (corrupt stored response, misuse of the transaction extractor …).

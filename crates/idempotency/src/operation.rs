@@ -10,7 +10,7 @@ use crate::{
 };
 use futures_util::{future::BoxFuture, FutureExt};
 use serde::{de::DeserializeOwned, Serialize};
-use std::{collections::HashMap, future::Future, panic::AssertUnwindSafe, sync::Arc};
+use std::{any::Any, collections::HashMap, future::Future, panic::AssertUnwindSafe, sync::Arc};
 
 /// A durable operation: a name, a request type, and one async function of [`Steps`].
 ///
@@ -136,7 +136,23 @@ impl<S: Store, O: Operation<S>> Resumable<S> for O {
 /// # }
 /// ```
 pub struct Operations<S: Store> {
-    by_name: HashMap<String, Arc<dyn Resumable<S>>>,
+    by_name: HashMap<String, Registered<S>>,
+}
+
+/// One registered operation: as the resumer runs it (its request decoded from stored bytes),
+/// and as registered, for a route that takes it back by name with its type ([`Operations::get`]).
+struct Registered<S: Store> {
+    resumable: Arc<dyn Resumable<S>>,
+    typed: Arc<dyn Any + Send + Sync>,
+}
+
+impl<S: Store> Clone for Registered<S> {
+    fn clone(&self) -> Self {
+        Self {
+            resumable: self.resumable.clone(),
+            typed: self.typed.clone(),
+        }
+    }
 }
 
 impl<S: Store> Clone for Operations<S> {
@@ -170,24 +186,51 @@ impl<S: Store> Operations<S> {
     }
 
     /// Registers `operation` under its name (a later one with the same name replaces it).
-    pub fn with<O: Operation<S>>(mut self, operation: O) -> Self {
-        self.by_name
-            .insert(operation.name().to_owned(), Arc::new(operation));
-        self
+    pub fn with<O: Operation<S>>(self, operation: O) -> Self {
+        self.with_shared(Arc::new(operation))
     }
 
     /// Registers an operation already shared with the request path.
     pub fn with_shared<O: Operation<S>>(mut self, operation: Arc<O>) -> Self {
-        self.by_name.insert(
-            operation.name().to_owned(),
-            operation as Arc<dyn Resumable<S>>,
-        );
+        let registered = Registered {
+            resumable: operation.clone() as Arc<dyn Resumable<S>>,
+            typed: operation.clone() as Arc<dyn Any + Send + Sync>,
+        };
+        self.by_name.insert(operation.name().to_owned(), registered);
         self
     }
 
     /// Whether an operation is registered under `name`.
     pub fn contains(&self, name: &str) -> bool {
         self.by_name.contains_key(name)
+    }
+
+    /// The operation registered under `name`, if it is an `O`: what a route runs, taken from
+    /// the same registry (by the same name) as the resumer's, so that the two cannot disagree.
+    ///
+    /// ```
+    /// # #[cfg(feature = "sqlite")]
+    /// # {
+    /// use idempotency::{Finished, Operation, Operations, SqliteStore, StepError, Steps};
+    ///
+    /// struct Ping;
+    /// impl Operation<SqliteStore> for Ping {
+    ///     type Request = ();
+    ///     type Response = String;
+    ///     fn name(&self) -> &str { "ping" }
+    ///     async fn run(&self, steps: &mut Steps<SqliteStore>, _: &()) -> Result<Finished<String>, StepError> {
+    ///         steps.finish(|_tx| Box::pin(async { Ok::<_, sqlx::Error>("pong".to_owned()) })).await
+    ///     }
+    /// }
+    ///
+    /// let registry = Operations::<SqliteStore>::new().with(Ping);
+    /// assert!(registry.get::<Ping>("ping").is_some());
+    /// assert!(registry.get::<Ping>("pong").is_none());
+    /// # }
+    /// ```
+    pub fn get<O: Operation<S>>(&self, name: &str) -> Option<Arc<O>> {
+        let registered = self.by_name.get(name)?;
+        registered.typed.clone().downcast::<O>().ok()
     }
 
     /// Continues the operation of `record`, a key claimed by `lease`, from its recovery point. A
@@ -202,6 +245,7 @@ impl<S: Store> Operations<S> {
         let Some(operation) = self.by_name.get(record.key.operation()) else {
             return Err(lease);
         };
+        let operation = &operation.resumable;
         let Some(request) = record.request.as_deref() else {
             return Ok(match lease.release().await {
                 Ok(true) => Resumed::Released,

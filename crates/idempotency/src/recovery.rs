@@ -75,7 +75,10 @@ impl Resolver for NoResolver {
 /// report.released = 2;
 /// report.parked = 1;
 /// assert_eq!(report.acted(), 3);
-/// assert_eq!(report.to_string(), "released 2, completed 0, failed 0, parked 1, unknown 0, skipped 0");
+/// assert_eq!(
+///     report.to_string(),
+///     "released 2, completed 0, failed 0, parked 1, unknown 0, skipped 0, unregistered 0"
+/// );
 /// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
@@ -93,6 +96,11 @@ pub struct RecoveryReport {
     pub unknown: u64,
     /// Keys another worker (or a retry) changed first; nothing was done to them.
     pub skipped: u64,
+    /// Pending durable keys whose operation this worker does not have in its registry
+    /// ([`Recovery::with_operations`]): left untouched, each logged at `warn`. Anything but 0
+    /// means a worker is missing an operation (or names it differently from the route), and
+    /// those keys stay pending until a worker that has it runs.
+    pub unregistered: u64,
 }
 
 impl RecoveryReport {
@@ -109,6 +117,7 @@ impl RecoveryReport {
         self.parked += other.parked;
         self.unknown += other.unknown;
         self.skipped += other.skipped;
+        self.unregistered += other.unregistered;
     }
 }
 
@@ -116,8 +125,14 @@ impl fmt::Display for RecoveryReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "released {}, completed {}, failed {}, parked {}, unknown {}, skipped {}",
-            self.released, self.completed, self.failed, self.parked, self.unknown, self.skipped
+            "released {}, completed {}, failed {}, parked {}, unknown {}, skipped {}, unregistered {}",
+            self.released,
+            self.completed,
+            self.failed,
+            self.parked,
+            self.unknown,
+            self.skipped,
+            self.unregistered
         )
     }
 }
@@ -337,8 +352,12 @@ impl<S: Maintenance, R: Resolver> Recovery<S, R> {
             .as_ref()
             .is_some_and(|(_, operations)| operations.contains(key.operation()));
         if record.is_resumable() && !registered {
-            tracing::debug!(%key, "durable operation not registered here; left for a worker that has it");
-            report.skipped += 1;
+            tracing::warn!(
+                %key,
+                operation = key.operation(),
+                "pending durable key of an operation this worker does not have; left pending for a worker that registers it"
+            );
+            report.unregistered += 1;
             return Ok(());
         }
         let token = LeaseToken::new();

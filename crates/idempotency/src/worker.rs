@@ -14,7 +14,7 @@ use tokio::{sync::oneshot, task::JoinHandle};
 /// ```
 /// use idempotency::WorkerReport;
 /// let report = WorkerReport::default();
-/// assert_eq!(report.to_string(), "passes 0, failed passes 0, purged 0; released 0, completed 0, failed 0, parked 0, unknown 0, skipped 0");
+/// assert_eq!(report.to_string(), "passes 0, failed passes 0, purged 0; released 0, completed 0, failed 0, parked 0, unknown 0, skipped 0, unregistered 0");
 /// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
@@ -145,7 +145,42 @@ impl<S: Maintenance, R: Resolver> MaintenanceWorker<S, R> {
     }
 
     /// Starts the worker in a task of its own. Stop it with [`WorkerHandle::shutdown`] (which
-    /// finishes the pass under way); dropping the handle aborts it.
+    /// finishes the pass under way); dropping the handle aborts it, so bind it for as long as
+    /// the service runs:
+    ///
+    /// ```
+    /// # #![deny(unused_must_use)]
+    /// # #[cfg(feature = "sqlite")]
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), idempotency::StoreError> {
+    /// use idempotency::{MaintenanceWorker, SqliteStore, Store};
+    /// let store = SqliteStore::connect("sqlite::memory:").await?;
+    /// store.migrate().await?;
+    /// let worker = MaintenanceWorker::new(store).spawn();
+    /// // … serve …
+    /// worker.shutdown().await;
+    /// # Ok(()) }
+    /// # #[cfg(not(feature = "sqlite"))]
+    /// # fn main() {}
+    /// ```
+    ///
+    /// Written as a statement, the handle is dropped at once and the worker never runs a pass;
+    /// the compiler warns (here, with the warning denied, it refuses):
+    ///
+    /// ```compile_fail
+    /// # #![deny(unused_must_use)]
+    /// # #[cfg(feature = "sqlite")]
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), idempotency::StoreError> {
+    /// use idempotency::{MaintenanceWorker, SqliteStore, Store};
+    /// let store = SqliteStore::connect("sqlite::memory:").await?;
+    /// store.migrate().await?;
+    /// MaintenanceWorker::new(store).spawn();
+    /// # Ok(()) }
+    /// # #[cfg(not(feature = "sqlite"))]
+    /// # compile_error!("needs the sqlite feature");
+    /// ```
+    #[must_use = "dropping the handle aborts the worker at once: bind it (`let worker = …spawn();`) and call `shutdown` when the service stops"]
     pub fn spawn(self) -> WorkerHandle
     where
         R: Clone,
@@ -193,6 +228,7 @@ impl<S: Maintenance, R: Resolver> MaintenanceWorker<S, R> {
 
 /// A running [`MaintenanceWorker`].
 #[derive(Debug)]
+#[must_use = "dropping the handle aborts the worker at once: keep it for as long as the service runs"]
 pub struct WorkerHandle {
     stop: Option<oneshot::Sender<()>>,
     task: Option<JoinHandle<WorkerReport>>,

@@ -13,38 +13,64 @@
 //!
 //! [`BusinessTx`]: crate::tx::BusinessTx
 
-use crate::{auth::UserId, problem::BODY_LIMIT};
+use crate::{
+    auth::UserId,
+    db::StoreConn,
+    problem::BODY_LIMIT,
+    purchase::{Purchase, PURCHASE},
+};
 use axum::http::Method;
-use idempotency::{Effects, Idempotency, Store};
-use idempotency_http::{Disposition, IdempotencyLayer};
+use idempotency::{Effects, Idempotency, Operations, Store};
+use idempotency_http::{Disposition, DurableRoute, IdempotencyLayer, UnregisteredOperation};
 
-/// A keyed route: the operation name that scopes its keys, and what its work touches.
+/// A keyed route that runs in the business transaction: the operation name that scopes its keys,
+/// and what its work touches. The durable purchase is not one of these: its route is built from
+/// the registry the worker resumes with ([`purchase_route`]).
 #[derive(Debug, Clone, Copy)]
 pub struct KeyedRoute {
-    /// Operation part of the key (`"purchase"`).
+    /// Operation part of the key (`"create-order"`).
     pub operation: &'static str,
     /// Whether the work calls an outside service that cannot be asked again.
     pub effects: Effects,
-    /// Whether the handler is a durable operation whose first outside call follows a committed
-    /// recovery point (its reservation is then not flushed on its own).
-    pub journaled: bool,
 }
 
-/// The shop's policy for one keyed route: POST only, the key required, scoped by the
-/// authenticated user, the shop's body limit, and only 2xx answers stored by default.
+/// The layer of a [`KeyedRoute`], under the shop's policy ([`policy`]).
 ///
 /// ```no_run
 /// # async fn demo(store: idempotency::SqliteStore) {
-/// use shop::protect::{layer, PURCHASE};
-/// let layer = layer(idempotency::Idempotency::new(store), PURCHASE);
+/// use shop::protect::{layer, CREATE_ORDER};
+/// let layer = layer(idempotency::Idempotency::new(store), CREATE_ORDER);
 /// # }
 /// ```
 pub fn layer<S: Store>(engine: Idempotency<S>, route: KeyedRoute) -> IdempotencyLayer<S> {
-    IdempotencyLayer::new(engine)
+    policy(
+        IdempotencyLayer::new(engine)
+            .with_operation(route.operation)
+            .with_effects(route.effects),
+    )
+}
+
+/// The durable purchase's route, taken from `operations` by [`PURCHASE`](crate::purchase::PURCHASE): the layer's operation
+/// name, effects and journaling come from the registered operation, and a registry without it
+/// refuses to build (a purchase reserved there could never be resumed after a crash).
+///
+/// ```no_run
+/// # async fn demo(store: idempotency::SqliteStore, operations: idempotency::Operations<idempotency::SqliteStore>) {
+/// let route = shop::protect::purchase_route(idempotency::Idempotency::new(store), &operations).unwrap();
+/// # }
+/// ```
+pub fn purchase_route<S: StoreConn>(
+    engine: Idempotency<S>,
+    operations: &Operations<S>,
+) -> Result<DurableRoute<S, Purchase>, UnregisteredOperation> {
+    DurableRoute::new(engine, operations, PURCHASE)
+}
+
+/// The shop's policy for every keyed route: POST only, the key required, scoped by the
+/// authenticated user, the shop's body limit, and only 2xx answers stored by default.
+pub fn policy<S: Store>(layer: IdempotencyLayer<S>) -> IdempotencyLayer<S> {
+    layer
         .with_methods([Method::POST])
-        .with_operation(route.operation)
-        .with_effects(route.effects)
-        .with_journaled(route.journaled)
         .with_scope_from(|parts| parts.extensions.get::<UserId>().map(|user| user.0.clone()))
         .with_body_limit(BODY_LIMIT)
         .with_disposition_by_status(|status| status.is_success().then_some(Disposition::Store))
@@ -54,24 +80,13 @@ pub fn layer<S: Store>(engine: Idempotency<S>, route: KeyedRoute) -> Idempotency
         .with_detach(true)
 }
 
-/// Keyed routes and their key policies.
-pub const PURCHASE: KeyedRoute = KeyedRoute {
-    operation: "purchase",
-    // A durable operation with an outside step (the charge): its key is never taken over as
-    // abandoned local work nor released after a step took effect; a retry or the worker
-    // continues it from its recovery point (see `crate::purchase`).
-    effects: Effects::External,
-    journaled: true,
-};
 /// `POST /orders`.
 pub const CREATE_ORDER: KeyedRoute = KeyedRoute {
     operation: "create-order",
     effects: Effects::Local,
-    journaled: false,
 };
 /// `POST /emails`.
 pub const SEND_EMAIL: KeyedRoute = KeyedRoute {
     operation: "send-email",
     effects: Effects::External,
-    journaled: false,
 };

@@ -19,7 +19,6 @@
 use crate::{
     db::{sql, Conn, StoreConn},
     problem::{Problem, ShopProblem},
-    protect::PURCHASE,
     providers::{Charge, PaymentProvider, ProviderError},
 };
 use axum::http::StatusCode;
@@ -318,6 +317,12 @@ pub struct Purchase {
     outbox: bool,
 }
 
+/// The operation name of the durable purchase (`POST /purchases`), under which it is registered.
+/// A durable operation with an outside step (the charge): its key is never taken over as
+/// abandoned local work nor released after a step took effect; a retry or the worker continues
+/// it from its recovery point.
+pub const PURCHASE: &str = "purchase";
+
 impl Purchase {
     /// The operation, charging through `payment`; with `outbox`, a paid purchase writes its
     /// event into the outbox in its last step's transaction.
@@ -331,7 +336,7 @@ impl<S: StoreConn> Operation<S> for Purchase {
     type Response = StoredResponse;
 
     fn name(&self) -> &str {
-        PURCHASE.operation
+        PURCHASE
     }
 
     async fn run(

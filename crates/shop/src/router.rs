@@ -4,9 +4,10 @@
 use crate::{
     auth::authenticate,
     db::sql,
+    db::StoreConn,
     metrics,
     problem::{Problem, ShopProblem, BODY_LIMIT},
-    protect::{layer, KeyedRoute, CREATE_ORDER, PURCHASE, SEND_EMAIL},
+    protect::{layer, policy, purchase_route, KeyedRoute, CREATE_ORDER, SEND_EMAIL},
     routes,
     state::{App, Config, Engine},
     tx::plain_tx,
@@ -19,7 +20,7 @@ use axum::{
     routing::{get, post, MethodRouter},
     Router,
 };
-use idempotency::Store;
+use idempotency::{Idempotency, Store};
 use idempotency_http::IdempotencyLayer;
 use tower_http::catch_panic::CatchPanicLayer;
 
@@ -29,7 +30,7 @@ pub fn router(app: App, config: &Config) -> Router {
     let purchase = if config.unguarded_purchases {
         post(routes::purchase_unprotected)
     } else {
-        keyed(&app, PURCHASE, post(routes::purchase))
+        durable_purchase(&app, post(routes::purchase))
     };
     let mut user_routes = Router::new()
         .route("/purchases", purchase)
@@ -114,6 +115,21 @@ fn keyed(app: &App, route: KeyedRoute, handler: MethodRouter<App>) -> MethodRout
         Engine::Pg(engine) => handler.layer(waiting(app, layer(engine.clone(), route))),
         Engine::Sqlite(engine) => handler.layer(waiting(app, layer(engine.clone(), route))),
         Engine::My(engine) => handler.layer(waiting(app, layer(engine.clone(), route))),
+    }
+}
+
+/// Puts the purchase handler behind the layer of the durable purchase route, taken from the
+/// registry the worker resumes with. A registry without the purchase refuses to start the service.
+fn durable_purchase(app: &App, handler: MethodRouter<App>) -> MethodRouter<App> {
+    fn on<S: StoreConn>(app: &App, engine: &Idempotency<S>) -> IdempotencyLayer<S> {
+        let route = purchase_route(engine.clone(), &app.operations())
+            .unwrap_or_else(|error| panic!("the purchase route cannot be built: {error}"));
+        waiting(app, policy(route.layer()))
+    }
+    match app.engine() {
+        Engine::Pg(engine) => handler.layer(on(app, engine)),
+        Engine::Sqlite(engine) => handler.layer(on(app, engine)),
+        Engine::My(engine) => handler.layer(on(app, engine)),
     }
 }
 

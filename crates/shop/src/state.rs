@@ -199,14 +199,18 @@ impl App {
         interval: Duration,
     ) -> WorkerHandle {
         MaintenanceWorker::new(engine.store().clone())
-            .with_operations(
-                engine.clone(),
-                Operations::new()
-                    .with_shared(self.0.purchase.clone())
-                    .with_shared(self.0.events.clone()),
-            )
+            .with_operations(engine.clone(), self.operations())
             .with_interval(interval)
             .spawn()
+    }
+
+    /// The durable operations, by name: one registry for the routes
+    /// ([`purchase_route`](crate::protect::purchase_route)) and for the worker that resumes them,
+    /// whichever process runs it.
+    pub fn operations<S: StoreConn>(&self) -> Operations<S> {
+        Operations::new()
+            .with_shared(self.0.purchase.clone())
+            .with_shared(self.0.events.clone())
     }
 
     /// How long a duplicate of a keyed request in flight waits for it (see

@@ -28,9 +28,8 @@ use crate::{
     app,
     client::{Answer, Call, Client},
     db::{self, sql, ProviderDb, ShopDb},
-    protect::PURCHASE,
     providers::Faults,
-    purchase::START_BALANCE_CENTS,
+    purchase::{PURCHASE, START_BALANCE_CENTS},
     state::Config,
 };
 use anyhow::{bail, Context};
@@ -796,7 +795,7 @@ impl Storm {
 
 /// The provider key of the charge of purchase `key` of `user`, as the shop derives it.
 fn purchase_charge_key(user: &str, key: &str) -> Option<String> {
-    IdempotencyKey::new(user, PURCHASE.operation, key)
+    IdempotencyKey::new(user, PURCHASE, key)
         .ok()
         .map(|k| provider_key(&k, "charge"))
 }
@@ -874,7 +873,7 @@ impl Audit {
                          CONVERT(state USING utf8mb4), result FROM idempotency_keys
                          WHERE operation = $1 AND scope LIKE $2",
                     )
-                    .bind(PURCHASE.operation)
+                    .bind(PURCHASE)
                     .bind(&self.users),
                 )
                 .await?;
