@@ -1,11 +1,11 @@
 //! [`IdempotencyLayer`]: the configuration and builder, and the [`tower::Layer`] impl.
 
 use crate::{
-    service::IdempotencyService,
-    settings::{
-        IdempotencyScope, KeyRequirement, MissingScope, OperationSource, Settings,
+    config::{
+        Config, IdempotencyScope, KeyRequirement, MissingScope, OperationSource, State,
         DEFAULT_BODY_LIMIT,
     },
+    service::IdempotencyService,
 };
 use http::{request::Parts, HeaderName, Method, StatusCode};
 use idempotency::{Disposition, Effects, Idempotency, Store};
@@ -49,21 +49,16 @@ use std::{fmt, sync::Arc, time::Duration};
 ///     .route_layer(layer);
 /// # }
 /// ```
+#[derive(Clone)]
 pub struct IdempotencyLayer<S> {
-    pub(crate) settings: Settings<S>,
-}
-
-impl<S: Clone> Clone for IdempotencyLayer<S> {
-    fn clone(&self) -> Self {
-        Self {
-            settings: self.settings.clone(),
-        }
-    }
+    config: Config<S>,
+    /// Shared by the layer's clones and every service they make.
+    state: Arc<State>,
 }
 
 impl<S> fmt::Debug for IdempotencyLayer<S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let s = &self.settings;
+        let s = &self.config;
         f.debug_struct("IdempotencyLayer")
             .field("methods", &s.methods)
             .field("key_requirement", &s.key_requirement)
@@ -92,7 +87,8 @@ impl<S: Store> IdempotencyLayer<S> {
     /// ```
     pub fn new(idempotency: Idempotency<S>) -> Self {
         Self {
-            settings: Settings {
+            state: Arc::default(),
+            config: Config {
                 idempotency,
                 methods: vec![Method::POST, Method::PATCH],
                 key_requirement: KeyRequirement::Required,
@@ -111,12 +107,10 @@ impl<S: Store> IdempotencyLayer<S> {
                 body_limit: DEFAULT_BODY_LIMIT,
                 disposition_by_status: Arc::new(crate::default_disposition),
                 retention_header: false,
-                replay_header: crate::header::IDEMPOTENT_REPLAYED,
-                problem_base: Arc::from(crate::DEFAULT_PROBLEM_BASE),
+                replay_header: idempotency_wire::header::IDEMPOTENT_REPLAYED,
+                problem_base: Arc::from(idempotency_wire::DEFAULT_PROBLEM_BASE),
                 detach: false,
                 wait_for_in_flight: None,
-                estimates: Arc::default(),
-                waiters: Arc::default(),
             },
         }
     }
@@ -129,7 +123,7 @@ impl<S: Store> IdempotencyLayer<S> {
     /// # }
     /// ```
     pub fn with_methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
-        self.settings.methods = methods.into_iter().collect();
+        self.config.methods = methods.into_iter().collect();
         self
     }
 
@@ -141,7 +135,7 @@ impl<S: Store> IdempotencyLayer<S> {
     /// # }
     /// ```
     pub fn with_key_requirement(mut self, requirement: KeyRequirement) -> Self {
-        self.settings.key_requirement = requirement;
+        self.config.key_requirement = requirement;
         self
     }
 
@@ -160,7 +154,7 @@ impl<S: Store> IdempotencyLayer<S> {
         mut self,
         scope: impl Fn(&Parts) -> Option<String> + Send + Sync + 'static,
     ) -> Self {
-        self.settings.scope = Arc::new(scope);
+        self.config.scope = Arc::new(scope);
         self
     }
 
@@ -172,7 +166,7 @@ impl<S: Store> IdempotencyLayer<S> {
     /// # }
     /// ```
     pub fn with_missing_scope(mut self, missing: MissingScope) -> Self {
-        self.settings.missing_scope = missing;
+        self.config.missing_scope = missing;
         self
     }
 
@@ -184,7 +178,7 @@ impl<S: Store> IdempotencyLayer<S> {
     /// # }
     /// ```
     pub fn with_operation(mut self, operation: impl Into<String>) -> Self {
-        self.settings.operation = OperationSource::Fixed(operation.into());
+        self.config.operation = OperationSource::Fixed(operation.into());
         self
     }
 
@@ -199,7 +193,7 @@ impl<S: Store> IdempotencyLayer<S> {
         mut self,
         operation: impl Fn(&Parts) -> String + Send + Sync + 'static,
     ) -> Self {
-        self.settings.operation = OperationSource::Custom(Arc::new(operation));
+        self.config.operation = OperationSource::Custom(Arc::new(operation));
         self
     }
 
@@ -213,7 +207,7 @@ impl<S: Store> IdempotencyLayer<S> {
     /// # }
     /// ```
     pub fn with_effects(mut self, effects: Effects) -> Self {
-        self.settings.effects = effects;
+        self.config.effects = effects;
         self
     }
 
@@ -230,7 +224,7 @@ impl<S: Store> IdempotencyLayer<S> {
     /// # }
     /// ```
     pub fn with_journaled(mut self, journaled: bool) -> Self {
-        self.settings.journaled = journaled;
+        self.config.journaled = journaled;
         self
     }
 
@@ -246,7 +240,7 @@ impl<S: Store> IdempotencyLayer<S> {
         mut self,
         headers: impl IntoIterator<Item = HeaderName>,
     ) -> Self {
-        self.settings.fingerprint_headers = headers.into_iter().collect();
+        self.config.fingerprint_headers = headers.into_iter().collect();
         self
     }
 
@@ -259,7 +253,7 @@ impl<S: Store> IdempotencyLayer<S> {
     /// # }
     /// ```
     pub fn with_stored_headers(mut self, headers: impl IntoIterator<Item = HeaderName>) -> Self {
-        self.settings.stored_headers = headers.into_iter().collect();
+        self.config.stored_headers = headers.into_iter().collect();
         self
     }
 
@@ -272,7 +266,7 @@ impl<S: Store> IdempotencyLayer<S> {
     /// # }
     /// ```
     pub fn with_body_limit(mut self, bytes: usize) -> Self {
-        self.settings.body_limit = bytes;
+        self.config.body_limit = bytes;
         self
     }
 
@@ -308,7 +302,7 @@ impl<S: Store> IdempotencyLayer<S> {
         mut self,
         decide: impl Fn(StatusCode) -> Option<Disposition> + Send + Sync + 'static,
     ) -> Self {
-        self.settings.disposition_by_status = Arc::new(decide);
+        self.config.disposition_by_status = Arc::new(decide);
         self
     }
 
@@ -321,12 +315,12 @@ impl<S: Store> IdempotencyLayer<S> {
     /// # }
     /// ```
     pub fn with_retention_header(mut self, enabled: bool) -> Self {
-        self.settings.retention_header = enabled;
+        self.config.retention_header = enabled;
         self
     }
 
     /// The header that marks a replayed response with `true` (default
-    /// [`Idempotent-Replayed`](crate::header::IDEMPOTENT_REPLAYED), as Stripe and the IETF
+    /// [`Idempotent-Replayed`](idempotency_wire::header::IDEMPOTENT_REPLAYED), as Stripe and the IETF
     /// draft's examples use; the draft has not settled on a name, and some clients expect
     /// another, such as `Idempotency-Replayed`).
     ///
@@ -336,12 +330,12 @@ impl<S: Store> IdempotencyLayer<S> {
     /// # }
     /// ```
     pub fn with_replay_header(mut self, header: HeaderName) -> Self {
-        self.settings.replay_header = header;
+        self.config.replay_header = header;
         self
     }
 
     /// Puts the `type` URIs of the layer's problems under `base` instead of
-    /// [`DEFAULT_PROBLEM_BASE`](crate::DEFAULT_PROBLEM_BASE): `{base}key-reused`, `{base}in-progress` …
+    /// [`DEFAULT_PROBLEM_BASE`](idempotency_wire::DEFAULT_PROBLEM_BASE): `{base}key-reused`, `{base}in-progress` …
     /// (end it with `/`). Clients match on the slug after the base.
     ///
     /// ```no_run
@@ -350,7 +344,7 @@ impl<S: Store> IdempotencyLayer<S> {
     /// # }
     /// ```
     pub fn with_problem_base(mut self, base: impl Into<String>) -> Self {
-        self.settings.problem_base = Arc::from(base.into());
+        self.config.problem_base = Arc::from(base.into());
         self
     }
 
@@ -371,7 +365,7 @@ impl<S: Store> IdempotencyLayer<S> {
     /// # }
     /// ```
     pub fn with_detach(mut self, enabled: bool) -> Self {
-        self.settings.detach = enabled;
+        self.config.detach = enabled;
         self
     }
 
@@ -396,7 +390,7 @@ impl<S: Store> IdempotencyLayer<S> {
     /// # }
     /// ```
     pub fn with_wait_for_in_flight(mut self, bound: Duration) -> Self {
-        self.settings.wait_for_in_flight = (!bound.is_zero()).then_some(bound);
+        self.config.wait_for_in_flight = (!bound.is_zero()).then_some(bound);
         self
     }
 
@@ -409,7 +403,7 @@ impl<S: Store> IdempotencyLayer<S> {
     /// # }
     /// ```
     pub fn idempotency(&self) -> &Idempotency<S> {
-        &self.settings.idempotency
+        &self.config.idempotency
     }
 
     /// How long a handler may run before its key may be taken over (local effects).
@@ -420,7 +414,7 @@ impl<S: Store> IdempotencyLayer<S> {
     /// # }
     /// ```
     pub fn lease(&self) -> Duration {
-        self.settings.idempotency.lease()
+        self.config.idempotency.lease()
     }
 
     /// How long a completed key and its stored response are kept.
@@ -431,7 +425,7 @@ impl<S: Store> IdempotencyLayer<S> {
     /// # }
     /// ```
     pub fn retention(&self) -> Duration {
-        self.settings.idempotency.retention()
+        self.config.idempotency.retention()
     }
 
     /// Replaces the lease length.
@@ -443,7 +437,7 @@ impl<S: Store> IdempotencyLayer<S> {
     /// # }
     /// ```
     pub fn with_lease(mut self, lease: Duration) -> Self {
-        self.settings.idempotency = self.settings.idempotency.with_lease(lease);
+        self.config.idempotency = self.config.idempotency.with_lease(lease);
         self
     }
 
@@ -459,7 +453,7 @@ impl<S: Store> IdempotencyLayer<S> {
     /// # }
     /// ```
     pub fn with_heartbeat(mut self, heartbeat: bool) -> Self {
-        self.settings.idempotency = self.settings.idempotency.with_heartbeat(heartbeat);
+        self.config.idempotency = self.config.idempotency.with_heartbeat(heartbeat);
         self
     }
 
@@ -471,7 +465,7 @@ impl<S: Store> IdempotencyLayer<S> {
     /// # }
     /// ```
     pub fn with_retention(mut self, retention: Duration) -> Self {
-        self.settings.idempotency = self.settings.idempotency.with_retention(retention);
+        self.config.idempotency = self.config.idempotency.with_retention(retention);
         self
     }
 }
@@ -480,6 +474,6 @@ impl<S: Store, Inner> tower::Layer<Inner> for IdempotencyLayer<S> {
     type Service = IdempotencyService<S, Inner>;
 
     fn layer(&self, inner: Inner) -> Self::Service {
-        IdempotencyService::new(Arc::new(self.settings.clone()), inner)
+        IdempotencyService::new(Arc::new(self.config.clone()), self.state.clone(), inner)
     }
 }

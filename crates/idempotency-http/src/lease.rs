@@ -10,12 +10,13 @@
 //! Reserve such routes with [`Effects::External`](idempotency::Effects::External): a durable
 //! operation's key must never be taken over as abandoned local work.
 
-use crate::problem::{types, Problem};
+use crate::problem::Problem;
 use axum::{
     extract::FromRequestParts,
     response::{IntoResponse, Response},
 };
-use http::{request::Parts, StatusCode};
+use http::request::Parts;
+use idempotency_wire::{ProblemType, DEFAULT_PROBLEM_BASE};
 use idempotency::{Lease, Store};
 use std::sync::{Arc, Mutex};
 
@@ -105,12 +106,8 @@ pub struct LeaseRejection;
 
 impl IntoResponse for LeaseRejection {
     fn into_response(self) -> Response {
-        Problem::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            types::INTERNAL,
-            "Internal error",
-        )
-        .with_detail(self.to_string())
+        Problem::of(ProblemType::Internal, DEFAULT_PROBLEM_BASE)
+            .with_detail(self.to_string())
         .into_response()
     }
 }

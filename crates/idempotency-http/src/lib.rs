@@ -169,6 +169,7 @@
 #[doc = include_str!("../README.md")]
 struct ReadmeDoctests;
 
+mod config;
 mod disposition;
 mod error;
 pub mod header;
@@ -178,7 +179,6 @@ mod lease;
 pub mod metrics;
 mod problem;
 mod service;
-mod settings;
 mod stored;
 mod tx;
 
@@ -186,10 +186,12 @@ pub use disposition::{commits_writes, default_disposition, is_definitive};
 pub use error::{BoxError, IdempotencyRejection, InternalError};
 pub use layer::IdempotencyLayer;
 pub use lease::{KeyLease, LeaseRejection};
-pub use problem::{types as problem_types, Problem, DEFAULT_PROBLEM_BASE, PROBLEM_JSON};
+pub use problem::Problem;
 pub use service::{IdempotencyService, ResponseFuture};
-pub use settings::{IdempotencyScope, KeyRequirement, MissingScope, DEFAULT_BODY_LIMIT};
+pub use config::{IdempotencyScope, KeyRequirement, MissingScope, DEFAULT_BODY_LIMIT};
 pub use stored::{StoredResponse, ALWAYS_STORED, NEVER_STORED};
 pub use tx::{IdempotentTx, TxRejection};
 
 pub use idempotency::{Disposition, Effects, Idempotency};
+/// The wire vocabulary shared with the client: header names and problem types.
+pub use idempotency_wire as wire;

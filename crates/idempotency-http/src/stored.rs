@@ -1,6 +1,6 @@
 //! The response kept with a completed key and replayed to retries.
 
-use crate::header::IDEMPOTENT_REPLAYED;
+use idempotency_wire::header::IDEMPOTENT_REPLAYED;
 use axum::body::Body;
 use base64::{engine::general_purpose::STANDARD, Engine as _};
 use http::{header, HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
