@@ -143,10 +143,10 @@ mod policy;
 mod retry;
 
 pub use error::IdempotencyError;
+/// The wire vocabulary shared with the server: header names and problem types.
+pub use idempotency_wire as wire;
 pub use middleware::IdempotencyMiddleware;
 pub use outcome::{AttemptRecord, AttemptResult, Outcome, Probe, StopReason, TransportKind};
 pub use policy::{KeyFormat, KeyGenerator, RequestKey, Resendable, RetryPolicy};
-/// The wire vocabulary shared with the server: header names and problem types.
-pub use idempotency_wire as wire;
 pub use reqwest_middleware;
 pub use retry::hint as retry_hint;

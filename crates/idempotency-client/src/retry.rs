@@ -202,8 +202,14 @@ mod tests {
         // 422 of the application's own (not one of the layer's problem types): final.
         assert_eq!(verdict(422, None, None), Final);
         assert_eq!(verdict(422, Some(ProblemType::KeyReused), None), KeyReused);
-        assert_eq!(verdict(409, Some(ProblemType::InProgress), None), RetryIfResendable);
-        assert_eq!(verdict(409, Some(ProblemType::LeaseLost), None), RetryIfResendable);
+        assert_eq!(
+            verdict(409, Some(ProblemType::InProgress), None),
+            RetryIfResendable
+        );
+        assert_eq!(
+            verdict(409, Some(ProblemType::LeaseLost), None),
+            RetryIfResendable
+        );
         assert_eq!(verdict(409, Some(ProblemType::NeedsReview), Some(5)), Final);
         // The application's own 409 (a duplicate e-mail): final without a hint.
         assert_eq!(verdict(409, None, None), Final);

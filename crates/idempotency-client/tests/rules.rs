@@ -4,11 +4,11 @@
 mod common;
 
 use common::{client, client_with, fast, serve, serve_on};
+use idempotency_client::wire::ProblemType;
 use idempotency_client::{
     AttemptResult, IdempotencyError, IdempotencyMiddleware, KeyFormat, KeyGenerator, Outcome,
     Probe, RequestKey, Resendable, RetryPolicy, StopReason, TransportKind,
 };
-use idempotency_client::wire::ProblemType;
 use reqwest::{Method, StatusCode};
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};

@@ -47,13 +47,35 @@ pub enum MissingScope {
     Fixed(String),
 }
 
-/// The scope of a request, for auth layers to put into the request extensions; the layer's
-/// default scope source reads it.
+/// The scope of a request (whose key space: a user, a tenant), in the request extensions.
+///
+/// An auth layer puts it there for the layer's default scope source to read. The layer then
+/// puts the scope the key is kept under back into the extensions of a protected request, from
+/// whichever source it came ([`with_scope_from`](crate::IdempotencyLayer::with_scope_from),
+/// [`MissingScope::Fixed`]), so that a handler can read it with
+/// `Extension<IdempotencyScope>`.
 ///
 /// ```
-/// use idempotency_http::IdempotencyScope;
-/// let mut request = http::Request::new(());
-/// request.extensions_mut().insert(IdempotencyScope("user-42".into()));
+/// use axum::{body::Body, Extension};
+/// use http::{Request, Response};
+/// use idempotency_http::{IdempotencyLayer, IdempotencyScope, MissingScope};
+/// use tower::{Layer, ServiceExt};
+///
+/// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+/// let dir = tempfile::tempdir().unwrap();
+/// let store = idempotency::SqliteStore::connect(&format!("sqlite://{}/keys.db", dir.path().display())).await.unwrap();
+/// idempotency::Store::migrate(&store).await.unwrap();
+/// let handler = axum::routing::post(|Extension(IdempotencyScope(scope)): Extension<IdempotencyScope>| async move {
+///     format!("kept under {scope}")
+/// });
+/// let service = IdempotencyLayer::new(idempotency::Idempotency::new(store))
+///     .with_missing_scope(MissingScope::Fixed("everyone".into()))
+///     .layer(handler.with_state(()));
+/// let request = Request::post("/").header("idempotency-key", "k-1").body(Body::empty()).unwrap();
+/// let response = service.oneshot(request).await.unwrap();
+/// let body = http_body_util::BodyExt::collect(response.into_body()).await.unwrap().to_bytes();
+/// assert_eq!(&body[..], b"kept under everyone");
+/// # });
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct IdempotencyScope(pub String);

@@ -10,8 +10,8 @@
 //! The header names themselves are [`idempotency_wire::header`]'s.
 
 use http::{HeaderMap, HeaderValue};
-use idempotency_wire::header::IDEMPOTENCY_KEY;
 use idempotency::MAX_PART_LEN;
+use idempotency_wire::header::IDEMPOTENCY_KEY;
 
 /// Why an `Idempotency-Key` header was rejected (answered with 400).
 ///

@@ -16,8 +16,8 @@ use axum::{
     response::{IntoResponse, Response},
 };
 use http::request::Parts;
-use idempotency_wire::{ProblemType, DEFAULT_PROBLEM_BASE};
 use idempotency::{Lease, Store};
+use idempotency_wire::{ProblemType, DEFAULT_PROBLEM_BASE};
 use std::sync::{Arc, Mutex};
 
 /// Where the layer keeps the lease while the handler runs.
@@ -62,19 +62,21 @@ impl<S: Store> LeaseSlot<S> {
 /// stored, or the key released).
 ///
 /// ```no_run
-/// use axum::response::{IntoResponse, Response};
-/// use idempotency::{SqliteStore, Idempotency, Operation};
-/// use idempotency_http::{KeyLease, StoredResponse};
+/// use idempotency::{PerformError, SqliteStore, Idempotency, Operation};
+/// use idempotency_http::{KeyLease, Problem, StoredResponse};
+/// use idempotency_http::wire::{ProblemType, DEFAULT_PROBLEM_BASE};
 ///
-/// async fn purchase<O>(engine: Idempotency<SqliteStore>, operation: O, lease: KeyLease<SqliteStore>, request: O::Request) -> Response
+/// async fn purchase<O>(engine: Idempotency<SqliteStore>, operation: O, lease: KeyLease<SqliteStore>, request: O::Request) -> Result<StoredResponse, Problem>
 /// where
 ///     O: Operation<SqliteStore, Response = StoredResponse>,
 /// {
-///     let Some(lease) = lease.take() else { return http::StatusCode::INTERNAL_SERVER_ERROR.into_response() };
-///     match engine.perform_reserved(&operation, lease, &request).await {
-///         Ok(finished) => finished.into_response().into_response(),
-///         Err(error) => (http::StatusCode::SERVICE_UNAVAILABLE, error.to_string()).into_response(),
-///     }
+///     let internal = || Problem::of(ProblemType::Internal, DEFAULT_PROBLEM_BASE);
+///     let lease = lease.take().ok_or_else(internal)?;
+///     let finished = engine
+///         .perform_reserved(&operation, lease, &request)
+///         .await
+///         .map_err(|error: PerformError| internal().with_detail(error.to_string()))?;
+///     Ok(finished.into())
 /// }
 /// ```
 pub struct KeyLease<S: Store>(LeaseSlot<S>);
@@ -108,7 +110,7 @@ impl IntoResponse for LeaseRejection {
     fn into_response(self) -> Response {
         Problem::of(ProblemType::Internal, DEFAULT_PROBLEM_BASE)
             .with_detail(self.to_string())
-        .into_response()
+            .into_response()
     }
 }
 

@@ -5,12 +5,12 @@
 //! with the same helper so that clients see one error format.
 
 use crate::{Disposition, StoredResponse};
-use idempotency_wire::{ProblemType, KEY_STATE_MEMBER, PROBLEM_JSON, RETRY_MEMBER};
 use axum::{
     body::Body,
     response::{IntoResponse, Response},
 };
 use http::{header, HeaderValue, StatusCode};
+use idempotency_wire::{ProblemType, KEY_STATE_MEMBER, PROBLEM_JSON, RETRY_MEMBER};
 use serde::Serialize;
 use serde_json::{Map, Value};
 use std::time::Duration;

@@ -14,8 +14,8 @@ use axum::{
 };
 use futures_util::future::BoxFuture;
 use http::request::Parts;
-use idempotency_wire::{ProblemType, DEFAULT_PROBLEM_BASE};
 use idempotency::StoreError;
+use idempotency_wire::{ProblemType, DEFAULT_PROBLEM_BASE};
 use std::{
     ops::{Deref, DerefMut},
     sync::{Arc, Mutex},

@@ -396,7 +396,9 @@ async fn other_methods_pass_through(app: TestApp) {
         }
         Answer::of(request)
     };
-    patch(None).await.assert_problem(400, ProblemType::KeyMissing);
+    patch(None)
+        .await
+        .assert_problem(400, ProblemType::KeyMissing);
     let key = new_key();
     let first = patch(Some(&key)).await;
     assert_eq!(first.status, 201);

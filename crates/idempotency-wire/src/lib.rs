@@ -321,99 +321,110 @@ impl ProblemType {
         uri.strip_prefix(base)?.parse().ok()
     }
 
-    fn facts(self) -> Facts {
-        use ProblemType::*;
-        use Retry::*;
-        let (slug, status, title, retry) = match self {
-            KeyMissing => (
-                "key-missing",
-                StatusCode::BAD_REQUEST,
-                "Idempotency-Key header missing",
-                NewKey,
-            ),
-            KeyInvalid => (
-                "key-invalid",
-                StatusCode::BAD_REQUEST,
-                "Idempotency-Key header invalid",
-                NewKey,
-            ),
-            ScopeMissing => (
-                "scope-missing",
-                StatusCode::UNAUTHORIZED,
-                "Authentication required",
-                NewKey,
-            ),
-            BodyTooLarge => (
-                "body-too-large",
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "Request body too large",
-                NewKey,
-            ),
-            BodyNotJson => (
-                "body-not-json",
-                StatusCode::BAD_REQUEST,
-                "Request body is not JSON",
-                NewKey,
-            ),
-            BodyUnreadable => (
-                "body-unreadable",
-                StatusCode::BAD_REQUEST,
-                "Request body unreadable",
-                SameKey,
-            ),
-            InProgress => (
-                "in-progress",
-                StatusCode::CONFLICT,
-                "A request with this Idempotency-Key is in progress",
-                SameKey,
-            ),
-            LeaseLost => (
-                "lease-lost",
-                StatusCode::CONFLICT,
-                "The request with this Idempotency-Key took too long",
-                SameKey,
-            ),
-            NeedsReview => (
-                "needs-review",
-                StatusCode::CONFLICT,
-                "The request with this Idempotency-Key needs review",
-                No,
-            ),
-            KeyReused => (
-                "key-reused",
-                StatusCode::UNPROCESSABLE_ENTITY,
-                "Idempotency-Key reused with a different request",
-                No,
-            ),
-            StoreUnavailable => (
-                "store-unavailable",
-                StatusCode::SERVICE_UNAVAILABLE,
-                "Idempotency store unavailable",
-                SameKey,
-            ),
-            Internal => (
-                "internal",
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "Internal error",
-                No,
-            ),
-        };
-        Facts {
-            slug,
-            status,
-            title,
-            retry,
-        }
+    fn facts(self) -> &'static Facts {
+        FACTS
+            .iter()
+            .find(|facts| facts.problem == self)
+            .expect("every problem type has its facts")
     }
 }
 
 /// What one [`ProblemType`] is, in one place.
 struct Facts {
+    problem: ProblemType,
     slug: &'static str,
     status: StatusCode,
     title: &'static str,
     retry: Retry,
 }
+
+/// Each problem type's slug, status, title and retry advice.
+const FACTS: [Facts; 12] = [
+    Facts {
+        problem: ProblemType::KeyMissing,
+        slug: "key-missing",
+        status: StatusCode::BAD_REQUEST,
+        title: "Idempotency-Key header missing",
+        retry: Retry::NewKey,
+    },
+    Facts {
+        problem: ProblemType::KeyInvalid,
+        slug: "key-invalid",
+        status: StatusCode::BAD_REQUEST,
+        title: "Idempotency-Key header invalid",
+        retry: Retry::NewKey,
+    },
+    Facts {
+        problem: ProblemType::ScopeMissing,
+        slug: "scope-missing",
+        status: StatusCode::UNAUTHORIZED,
+        title: "Authentication required",
+        retry: Retry::NewKey,
+    },
+    Facts {
+        problem: ProblemType::BodyTooLarge,
+        slug: "body-too-large",
+        status: StatusCode::PAYLOAD_TOO_LARGE,
+        title: "Request body too large",
+        retry: Retry::NewKey,
+    },
+    Facts {
+        problem: ProblemType::BodyNotJson,
+        slug: "body-not-json",
+        status: StatusCode::BAD_REQUEST,
+        title: "Request body is not JSON",
+        retry: Retry::NewKey,
+    },
+    Facts {
+        problem: ProblemType::BodyUnreadable,
+        slug: "body-unreadable",
+        status: StatusCode::BAD_REQUEST,
+        title: "Request body unreadable",
+        retry: Retry::SameKey,
+    },
+    Facts {
+        problem: ProblemType::InProgress,
+        slug: "in-progress",
+        status: StatusCode::CONFLICT,
+        title: "A request with this Idempotency-Key is in progress",
+        retry: Retry::SameKey,
+    },
+    Facts {
+        problem: ProblemType::LeaseLost,
+        slug: "lease-lost",
+        status: StatusCode::CONFLICT,
+        title: "The request with this Idempotency-Key took too long",
+        retry: Retry::SameKey,
+    },
+    Facts {
+        problem: ProblemType::NeedsReview,
+        slug: "needs-review",
+        status: StatusCode::CONFLICT,
+        title: "The request with this Idempotency-Key needs review",
+        retry: Retry::No,
+    },
+    Facts {
+        problem: ProblemType::KeyReused,
+        slug: "key-reused",
+        status: StatusCode::UNPROCESSABLE_ENTITY,
+        title: "Idempotency-Key reused with a different request",
+        retry: Retry::No,
+    },
+    Facts {
+        problem: ProblemType::StoreUnavailable,
+        slug: "store-unavailable",
+        status: StatusCode::SERVICE_UNAVAILABLE,
+        title: "Idempotency store unavailable",
+        retry: Retry::SameKey,
+    },
+    Facts {
+        problem: ProblemType::Internal,
+        slug: "internal",
+        status: StatusCode::INTERNAL_SERVER_ERROR,
+        title: "Internal error",
+        retry: Retry::No,
+    },
+];
 
 impl fmt::Display for ProblemType {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

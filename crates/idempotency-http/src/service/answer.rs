@@ -53,9 +53,12 @@ pub(super) fn with_retention<S: Store>(
 }
 
 /// A refusal, counted and logged.
-pub(super) fn refuse(base: &str, operation: &str, rejection: IdempotencyRejection) -> Response<Body> {
+pub(super) fn refuse(
+    base: &str,
+    operation: &str,
+    rejection: IdempotencyRejection,
+) -> Response<Body> {
     count(operation, rejection.outcome());
     tracing::info!(%rejection, "idempotency layer refused the request");
     rejection.to_response_under(base)
 }
-

@@ -248,4 +248,3 @@ pub(super) async fn unprotected<S: Store, H: Handler>(
         }
     }
 }
-

@@ -2,7 +2,6 @@
 //! MySQL/MariaDB.
 #![allow(dead_code)]
 
-use idempotency_wire::{ProblemType, DEFAULT_PROBLEM_BASE};
 use axum::{
     body::Bytes,
     http::{HeaderMap, StatusCode},
@@ -15,6 +14,7 @@ use idempotency::{Idempotency, MySqlStore, PgStore, SqliteStore, Store};
 use idempotency_http::{
     default_disposition, Disposition, IdempotencyLayer, IdempotentTx, KeyRequirement,
 };
+use idempotency_wire::{ProblemType, DEFAULT_PROBLEM_BASE};
 use sqlx::{MySql, MySqlPool, PgPool, Postgres, Sqlite, SqlitePool};
 use std::time::Duration;
 
