@@ -240,8 +240,8 @@ async fn protect<S: Store, H: Handler>(
     }
     // 2. Reserve the key, committed on its own (a replay is read first); a duplicate of a
     //    request in flight may wait for it (`wait_for_in_flight`).
-    let engine = call.layer.config.idempotency.clone();
-    let reserved = reserve::key(&call.layer, &call.operation, &engine, &attempt).await;
+    let engine = &call.layer.config.idempotency;
+    let reserved = reserve::key(&call.layer, &call.operation, engine, &attempt).await;
     // 3. Run the handler for an acquired key and complete (or release) it; replay a completed
     //    one; refuse the rest (422, 409, 503).
     run::proceed(call, attempt, reserved).await
