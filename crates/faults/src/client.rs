@@ -2,8 +2,8 @@
 //! the fault proof drives its purchases with `idempotency-client`, the crate users get.
 
 use idempotency_client::{
-    reqwest_middleware::ClientBuilder, IdempotencyMiddleware, Outcome, Probe, RetryPolicy,
-    IDEMPOTENCY_KEY,
+    reqwest_middleware::ClientBuilder, wire::header::IDEMPOTENCY_KEY, IdempotencyMiddleware,
+    Outcome, Probe, RetryPolicy,
 };
 use reqwest::StatusCode;
 use serde_json::Value;

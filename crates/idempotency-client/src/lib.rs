@@ -117,6 +117,16 @@
 //! [`IdempotencyError::from_error`] or `error.downcast_ref::<IdempotencyError>()` on the `anyhow`
 //! error.
 //!
+//! # Problem types
+//!
+//! The layer's refusals are problem documents (RFC 9457) whose `type` is a base URI followed by
+//! a slug. The middleware reads a 409's or 422's `type` into a
+//! [`ProblemType`](idempotency_wire::ProblemType) (re-exported under [`wire`]) only when it is
+//! under the base it was given ([`IdempotencyMiddleware::with_problem_base`], default the layer's
+//! default `tag:idempotency,2026:problems/`), and decides by that type, never by text; any other
+//! problem is the application's own and is judged by its status and retry hints alone. The
+//! recognised type of each attempt is [`AttemptRecord::problem`].
+//!
 //! # The server side
 //!
 //! `idempotency_http::IdempotencyLayer::with_wait_for_in_flight` lets the server hold a duplicate
@@ -127,14 +137,14 @@
 #![warn(missing_docs)]
 
 mod error;
-mod headers;
 mod middleware;
 mod outcome;
 mod policy;
 mod retry;
 
 pub use error::IdempotencyError;
-pub use headers::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, RETRY_AFTER_MS};
+/// The wire vocabulary shared with the server: header names and problem types.
+pub use idempotency_wire as wire;
 pub use middleware::IdempotencyMiddleware;
 pub use outcome::{AttemptRecord, AttemptResult, Outcome, Probe, StopReason, TransportKind};
 pub use policy::{KeyFormat, KeyGenerator, RequestKey, Resendable, RetryPolicy};

@@ -3,12 +3,15 @@
 
 use crate::{
     error::IdempotencyError,
-    headers::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED},
     outcome::{AttemptRecord, AttemptResult, Outcome, Probe, StopReason, TransportKind},
     policy::{KeyFormat, KeyGenerator, RequestKey, Resendable, RetryPolicy},
     retry::{classify, hint, is_idempotent, Inspected, Verdict},
 };
 use http::{Extensions, HeaderValue, Method};
+use idempotency_wire::{
+    header::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED},
+    ProblemType, DEFAULT_PROBLEM_BASE,
+};
 use reqwest::{Request, Response};
 use reqwest_middleware::{Middleware, Next};
 use std::{
@@ -42,6 +45,7 @@ pub struct IdempotencyMiddleware {
     generator: KeyGenerator,
     format: KeyFormat,
     policy: RetryPolicy,
+    problem_base: Arc<str>,
     observer: Option<Arc<Observer>>,
 }
 
@@ -58,6 +62,7 @@ impl fmt::Debug for IdempotencyMiddleware {
             .field("generator", &self.generator)
             .field("format", &self.format)
             .field("policy", &self.policy)
+            .field("problem_base", &self.problem_base)
             .field("observer", &self.observer.is_some())
             .finish()
     }
@@ -72,6 +77,7 @@ impl IdempotencyMiddleware {
             generator: KeyGenerator::UuidV4,
             format: KeyFormat::Bare,
             policy: RetryPolicy::default(),
+            problem_base: Arc::from(DEFAULT_PROBLEM_BASE),
             observer: None,
         }
     }
@@ -105,6 +111,22 @@ impl IdempotencyMiddleware {
     /// extension on a request replaces it for that request.
     pub fn with_policy(mut self, policy: RetryPolicy) -> Self {
         self.policy = policy;
+        self
+    }
+
+    /// The base of the server's problem `type` URIs (default
+    /// [`DEFAULT_PROBLEM_BASE`](idempotency_wire::DEFAULT_PROBLEM_BASE)): give the base the
+    /// server's layer was given (`IdempotencyLayer::with_problem_base`). A problem document is
+    /// one of the layer's ([`ProblemType`]) only when its `type` is this base followed by one of
+    /// the slugs; any other is the application's own, judged by its status and hints alone.
+    ///
+    /// ```
+    /// use idempotency_client::IdempotencyMiddleware;
+    /// let middleware = IdempotencyMiddleware::new().with_problem_base("https://errors.example.com/idempotency/");
+    /// # let _ = middleware;
+    /// ```
+    pub fn with_problem_base(mut self, base: impl Into<String>) -> Self {
+        self.problem_base = Arc::from(base.into());
         self
     }
 
@@ -253,8 +275,14 @@ async fn send(
     }
 }
 
-/// Reads the answer: status, replay mark, hint, and for 409/422 the problem type.
-async fn read(response: Response, number: u32, took: Duration) -> (Read, AttemptRecord, Verdict) {
+/// Reads the answer: status, replay mark, hint, and for 409/422 the problem type (one of the
+/// layer's when its `type` is under `problem_base`).
+async fn read(
+    response: Response,
+    number: u32,
+    took: Duration,
+    problem_base: &str,
+) -> (Read, AttemptRecord, Verdict) {
     let replayed = response
         .headers()
         .get(IDEMPOTENT_REPLAYED)
@@ -267,12 +295,15 @@ async fn read(response: Response, number: u32, took: Duration) -> (Read, Attempt
     let status = response.status();
     match Inspected::read(response).await {
         Ok(inspected) => {
-            let verdict = classify(status, replayed, retry_after, &inspected);
+            let problem_type = inspected.problem_type();
+            let problem = problem_type.and_then(|t| ProblemType::from_type_uri(t, problem_base));
+            let verdict = classify(status, replayed, retry_after, problem);
             let record = AttemptRecord {
                 number,
                 result: AttemptResult::Status(status),
                 replayed,
-                problem_type: inspected.problem_type().map(str::to_owned),
+                problem,
+                problem_type: problem_type.map(str::to_owned),
                 problem_json,
                 retry_after,
                 took,
@@ -288,6 +319,7 @@ async fn read(response: Response, number: u32, took: Duration) -> (Read, Attempt
                     message: error.to_string(),
                 },
                 replayed,
+                problem: None,
                 problem_type: None,
                 problem_json,
                 retry_after,
@@ -333,6 +365,7 @@ fn failed(
         number,
         result,
         replayed: false,
+        problem: None,
         problem_type: None,
         problem_json: false,
         retry_after: None,
@@ -352,6 +385,7 @@ impl IdempotencyMiddleware {
                 message: "the operation's deadline passed".into(),
             },
             replayed: false,
+            problem: None,
             problem_type: None,
             problem_json: false,
             retry_after: None,
@@ -443,7 +477,7 @@ impl Middleware for IdempotencyMiddleware {
             let (answer, record, verdict) = match ran {
                 // The deadline passed during an attempt without a timeout of its own.
                 None => return self.deadline_passed(operation, number, took),
-                Some(Ok(response)) => read(response, number, took).await,
+                Some(Ok(response)) => read(response, number, took, &self.problem_base).await,
                 Some(Err(error)) => failed(error, number, took),
             };
             tracing::debug!(key = ?operation.outcome.key, attempt = number, result = ?record.result, replayed = record.replayed, retry_after = ?record.retry_after, "idempotent request attempt");

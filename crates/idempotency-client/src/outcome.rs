@@ -2,6 +2,7 @@
 //! replay, and why the middleware stopped ([`Outcome`]); and a [`Probe`] to read it even when
 //! the operation ends in an error.
 
+use idempotency_wire::ProblemType;
 use reqwest::StatusCode;
 use std::{
     sync::{Arc, Mutex},
@@ -95,7 +96,12 @@ pub struct AttemptRecord {
     pub result: AttemptResult,
     /// Whether the answer carried `Idempotent-Replayed: true` (the server's stored answer).
     pub replayed: bool,
-    /// The problem `type` of the answer, where the middleware read it (409, 422).
+    /// The layer's problem the answer was, where the middleware read it (409, 422) and its
+    /// `type` is under the middleware's base
+    /// ([`with_problem_base`](crate::IdempotencyMiddleware::with_problem_base)).
+    pub problem: Option<ProblemType>,
+    /// The problem `type` URI of the answer as sent, where the middleware read it (409, 422):
+    /// also the application's own.
     pub problem_type: Option<String>,
     /// Whether the answer was `application/problem+json` (RFC 9457), as every error answer of
     /// `idempotency-http` is; a 5xx without it came from something else (a proxy, a crash page).

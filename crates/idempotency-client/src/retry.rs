@@ -1,9 +1,9 @@
 //! The retry rules: which answers are final, which are retried, and when (see the crate
 //! documentation for the table and the reasons).
 
-use crate::headers::RETRY_AFTER_MS;
 use bytes::Bytes;
-use http::{header, HeaderMap, Method, StatusCode};
+use http::{header, HeaderMap, HeaderName, Method, StatusCode};
+use idempotency_wire::{header::RETRY_AFTER_MS, ProblemType};
 use reqwest::{Response, ResponseBuilderExt};
 use std::time::{Duration, SystemTime};
 
@@ -46,11 +46,11 @@ pub(crate) fn is_idempotent(method: &Method) -> bool {
 /// assert_eq!(idempotency_client::retry_hint(&headers), Some(Duration::from_millis(40)));
 /// ```
 pub fn hint(headers: &HeaderMap) -> Option<Duration> {
-    let text = |name: &str| headers.get(name)?.to_str().ok().map(str::trim);
+    let text = |name: HeaderName| headers.get(name)?.to_str().ok().map(str::trim);
     if let Some(millis) = text(RETRY_AFTER_MS).and_then(|v| v.parse::<u64>().ok()) {
         return Some(Duration::from_millis(millis));
     }
-    let value = text(header::RETRY_AFTER.as_str())?;
+    let value = text(header::RETRY_AFTER)?;
     if let Ok(seconds) = value.parse::<u64>() {
         return Some(Duration::from_secs(seconds));
     }
@@ -58,34 +58,27 @@ pub fn hint(headers: &HeaderMap) -> Option<Duration> {
     Some(at.duration_since(SystemTime::now()).unwrap_or_default())
 }
 
-/// The last path segment of a problem `type` URI (`…/problems/in-progress` → `in-progress`), so
-/// that the middleware's problems and an application's own (`…/problems/shop/in-progress`) are
-/// read alike.
-fn slug(type_uri: &str) -> &str {
-    type_uri.rsplit('/').next().unwrap_or(type_uri)
-}
-
-/// The rules, for an answer.
+/// The rules, for an answer; `problem` is the layer's problem type, where the answer is one of
+/// its problem documents (under the middleware's base).
 pub(crate) fn classify(
     status: StatusCode,
     replayed: bool,
     retry_after: Option<Duration>,
-    inspected: &Inspected,
+    problem: Option<ProblemType>,
 ) -> Verdict {
     if replayed {
         // The server's stored answer: every retry would replay it again.
         return Verdict::Final;
     }
-    let problem = inspected.problem_type().map(slug);
     match status.as_u16() {
         408 => Verdict::RetryIfResendable,
         409 => match problem {
-            Some("in-progress" | "lease-lost") => Verdict::RetryIfResendable,
-            Some("needs-review") => Verdict::Final,
+            Some(ProblemType::InProgress | ProblemType::LeaseLost) => Verdict::RetryIfResendable,
+            Some(ProblemType::NeedsReview) => Verdict::Final,
             _ if retry_after.is_some() => Verdict::RetryIfResendable,
             _ => Verdict::Final,
         },
-        422 if problem == Some("key-reused") => Verdict::KeyReused,
+        422 if problem == Some(ProblemType::KeyReused) => Verdict::KeyReused,
         429 | 500 if retry_after.is_some() => Verdict::RetryIfResendable,
         502..=504 => Verdict::RetryIfResendable,
         _ => Verdict::Final,
@@ -185,25 +178,12 @@ fn is_json(headers: &HeaderMap) -> bool {
 mod tests {
     use super::*;
 
-    fn answer(status: u16, problem: Option<&str>) -> Inspected {
-        let response: Response = http::Response::builder()
-            .status(status)
-            .body(Bytes::new())
-            .unwrap()
-            .into();
-        Inspected {
-            response,
-            problem: problem.map(|t| serde_json::json!({ "type": t })),
-            body: None,
-        }
-    }
-
-    fn verdict(status: u16, problem: Option<&str>, hint: Option<u64>) -> Verdict {
+    fn verdict(status: u16, problem: Option<ProblemType>, hint: Option<u64>) -> Verdict {
         classify(
             StatusCode::from_u16(status).unwrap(),
             false,
             hint.map(Duration::from_millis),
-            &answer(status, problem),
+            problem,
         )
     }
 
@@ -219,45 +199,20 @@ mod tests {
             );
         }
         assert_eq!(verdict(422, None, Some(10)), Final);
+        // 422 of the application's own (not one of the layer's problem types): final.
+        assert_eq!(verdict(422, None, None), Final);
+        assert_eq!(verdict(422, Some(ProblemType::KeyReused), None), KeyReused);
         assert_eq!(
-            verdict(422, Some("https://x/problems/invalid-body"), None),
-            Final
-        );
-        assert_eq!(
-            verdict(
-                422,
-                Some("https://idempotency.dev/problems/key-reused"),
-                None
-            ),
-            KeyReused
-        );
-        let in_progress = Some("https://idempotency.dev/problems/in-progress");
-        assert_eq!(verdict(409, in_progress, None), RetryIfResendable);
-        assert_eq!(
-            verdict(
-                409,
-                Some("https://idempotency.dev/problems/lease-lost"),
-                None
-            ),
+            verdict(409, Some(ProblemType::InProgress), None),
             RetryIfResendable
         );
         assert_eq!(
-            verdict(
-                409,
-                Some("https://idempotency.dev/problems/shop/in-progress"),
-                None
-            ),
+            verdict(409, Some(ProblemType::LeaseLost), None),
             RetryIfResendable
         );
-        assert_eq!(
-            verdict(
-                409,
-                Some("https://idempotency.dev/problems/needs-review"),
-                Some(5)
-            ),
-            Final
-        );
-        assert_eq!(verdict(409, Some("https://x/duplicate-email"), None), Final);
+        assert_eq!(verdict(409, Some(ProblemType::NeedsReview), Some(5)), Final);
+        // The application's own 409 (a duplicate e-mail): final without a hint.
+        assert_eq!(verdict(409, None, None), Final);
         assert_eq!(verdict(409, None, Some(5)), RetryIfResendable);
         assert_eq!(verdict(500, None, None), Final);
         assert_eq!(verdict(500, None, Some(1000)), RetryIfResendable);
@@ -267,12 +222,7 @@ mod tests {
             assert_eq!(verdict(status, None, None), RetryIfResendable, "{status}");
         }
         assert_eq!(verdict(501, None, None), Final);
-        let replayed_502 = classify(
-            StatusCode::BAD_GATEWAY,
-            true,
-            None,
-            &answer(502, Some("https://x/payment-failed")),
-        );
+        let replayed_502 = classify(StatusCode::BAD_GATEWAY, true, None, None);
         assert_eq!(replayed_502, Final);
     }
 

@@ -4,6 +4,7 @@
 mod common;
 
 use common::{client, client_with, fast, serve, serve_on};
+use idempotency_client::wire::ProblemType;
 use idempotency_client::{
     AttemptResult, IdempotencyError, IdempotencyMiddleware, KeyFormat, KeyGenerator, Outcome,
     Probe, RequestKey, Resendable, RetryPolicy, StopReason, TransportKind,
@@ -111,11 +112,11 @@ async fn in_progress_409_is_retried_with_the_same_key_after_the_hint() {
         Some(Duration::from_millis(150))
     );
     assert_eq!(outcome.attempts[0].pause, Some(Duration::from_millis(150)));
-    assert!(outcome.attempts[0]
-        .problem_type
-        .as_deref()
-        .unwrap()
-        .ends_with("/in-progress"));
+    assert_eq!(outcome.attempts[0].problem, Some(ProblemType::InProgress));
+    assert_eq!(
+        outcome.attempts[0].problem_type.as_deref(),
+        Some("tag:idempotency,2026:problems/in-progress")
+    );
     // Retry-After-Ms (150 ms) is preferred over Retry-After (1 s) and honoured: never sooner.
     assert!(elapsed >= Duration::from_millis(300), "{elapsed:?}");
     assert!(elapsed < Duration::from_millis(1500), "{elapsed:?}");
@@ -577,4 +578,31 @@ async fn the_observer_sees_every_attempt() {
         *seen.lock().unwrap(),
         vec![(1, None), (2, None), (3, Some(StopReason::Answered))]
     );
+}
+
+/// The layer's problem types are recognised under the base the middleware is given, and only
+/// there: the same 422 `key-reused` under another base is an application's own 422.
+#[tokio::test]
+async fn problem_types_are_matched_under_the_configured_base() {
+    let server = serve().await;
+    let base = "https://errors.example.com/idempotency/";
+    let url = format!("{}/status/422?problem=key-reused&base={base}", server.url);
+    let default_base = client(fast());
+    let response = default_base.post(&url).body("{}").send().await.unwrap();
+    assert_eq!(response.status(), StatusCode::UNPROCESSABLE_ENTITY);
+    let outcome = Outcome::of(&response).unwrap();
+    assert_eq!(outcome.stopped, Some(StopReason::Answered));
+    assert_eq!(outcome.attempts[0].problem, None);
+    let configured = client_with(
+        IdempotencyMiddleware::new()
+            .with_policy(fast())
+            .with_problem_base(base),
+    );
+    let error = configured.post(&url).body("{}").send().await.unwrap_err();
+    match IdempotencyError::from_error(&error) {
+        Some(IdempotencyError::KeyReused { outcome, .. }) => {
+            assert_eq!(outcome.attempts[0].problem, Some(ProblemType::KeyReused));
+        }
+        other => panic!("expected KeyReused, got {other:?}"),
+    }
 }

@@ -1,22 +1,19 @@
 //! Why the layer refused a request, and the problem response for each reason.
 
-use crate::{
-    header::KeyHeaderError,
-    problem::{types, Problem},
-};
-use http::StatusCode;
+use crate::{header::KeyHeaderError, problem::Problem};
 use idempotency::StoreError;
+use idempotency_wire::{ProblemType, DEFAULT_PROBLEM_BASE};
 use std::time::Duration;
 
 /// Why the layer answered instead of the handler (or after it, for [`LeaseLost`](Self::LeaseLost)).
 ///
-/// Each maps to an RFC 9457 [`Problem`] with a stable `type` URI from [`types`].
+/// Each maps to an RFC 9457 [`Problem`] of one [`ProblemType`].
 ///
 /// ```
 /// use idempotency_http::IdempotencyRejection;
 /// let problem = IdempotencyRejection::KeyReused.to_problem();
 /// assert_eq!(problem.status, 422);
-/// assert_eq!(problem.type_uri, "https://idempotency.dev/problems/key-reused");
+/// assert_eq!(problem.type_uri, "tag:idempotency,2026:problems/key-reused");
 /// ```
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -107,7 +104,33 @@ pub enum InternalError {
 }
 
 impl IdempotencyRejection {
-    /// The problem document for this rejection.
+    /// The kind of problem this rejection is answered with.
+    ///
+    /// ```
+    /// use idempotency_http::IdempotencyRejection;
+    /// use idempotency_wire::ProblemType;
+    /// assert_eq!(IdempotencyRejection::KeyReused.problem_type(), ProblemType::KeyReused);
+    /// ```
+    pub fn problem_type(&self) -> ProblemType {
+        use IdempotencyRejection::*;
+        match self {
+            KeyMissing => ProblemType::KeyMissing,
+            KeyInvalid(_) => ProblemType::KeyInvalid,
+            ScopeMissing => ProblemType::ScopeMissing,
+            BodyTooLarge { .. } => ProblemType::BodyTooLarge,
+            BodyNotJson(_) => ProblemType::BodyNotJson,
+            BodyUnreadable(_) => ProblemType::BodyUnreadable,
+            KeyReused => ProblemType::KeyReused,
+            InProgress { .. } => ProblemType::InProgress,
+            NeedsReview => ProblemType::NeedsReview,
+            LeaseLost => ProblemType::LeaseLost,
+            StoreUnavailable(_) => ProblemType::StoreUnavailable,
+            Internal(_) => ProblemType::Internal,
+        }
+    }
+
+    /// The problem document for this rejection, its `type` under
+    /// [`DEFAULT_PROBLEM_BASE`](idempotency_wire::DEFAULT_PROBLEM_BASE).
     ///
     /// ```
     /// # use idempotency_http::IdempotencyRejection;
@@ -117,70 +140,11 @@ impl IdempotencyRejection {
     /// assert_eq!(p.retry_after, Some(Duration::from_millis(300)));
     /// ```
     pub fn to_problem(&self) -> Problem {
-        use IdempotencyRejection::*;
-        let (status, type_uri, title) = match self {
-            KeyMissing => (
-                StatusCode::BAD_REQUEST,
-                types::KEY_MISSING,
-                "Idempotency-Key header missing",
-            ),
-            KeyInvalid(_) => (
-                StatusCode::BAD_REQUEST,
-                types::KEY_INVALID,
-                "Idempotency-Key header invalid",
-            ),
-            ScopeMissing => (
-                StatusCode::UNAUTHORIZED,
-                types::SCOPE_MISSING,
-                "Authentication required",
-            ),
-            BodyTooLarge { .. } => (
-                StatusCode::PAYLOAD_TOO_LARGE,
-                types::BODY_TOO_LARGE,
-                "Request body too large",
-            ),
-            BodyNotJson(_) => (
-                StatusCode::BAD_REQUEST,
-                types::BODY_NOT_JSON,
-                "Request body is not JSON",
-            ),
-            BodyUnreadable(_) => (
-                StatusCode::BAD_REQUEST,
-                types::BODY_UNREADABLE,
-                "Request body unreadable",
-            ),
-            KeyReused => (
-                StatusCode::UNPROCESSABLE_ENTITY,
-                types::KEY_REUSED,
-                "Idempotency-Key reused with a different request",
-            ),
-            InProgress { .. } => (
-                StatusCode::CONFLICT,
-                types::IN_PROGRESS,
-                "A request with this Idempotency-Key is in progress",
-            ),
-            NeedsReview => (
-                StatusCode::CONFLICT,
-                types::NEEDS_REVIEW,
-                "The request with this Idempotency-Key needs review",
-            ),
-            LeaseLost => (
-                StatusCode::CONFLICT,
-                types::LEASE_LOST,
-                "The request with this Idempotency-Key took too long",
-            ),
-            StoreUnavailable(_) => (
-                StatusCode::SERVICE_UNAVAILABLE,
-                types::STORE_UNAVAILABLE,
-                "Idempotency store unavailable",
-            ),
-            Internal(_) => (
-                StatusCode::INTERNAL_SERVER_ERROR,
-                types::INTERNAL,
-                "Internal error",
-            ),
-        };
-        let problem = Problem::new(status, type_uri, title).with_detail(self.to_string());
+        self.to_problem_under(DEFAULT_PROBLEM_BASE)
+    }
+
+    fn to_problem_under(&self, base: &str) -> Problem {
+        let problem = Problem::of(self.problem_type(), base).with_detail(self.to_string());
         match self.retry_after() {
             Some(retry_after) => problem.with_retry_after(retry_after),
             None => problem,
@@ -190,7 +154,7 @@ impl IdempotencyRejection {
     /// When a retry may succeed, for the refusals a retry can outlast: 409 `in-progress` (the
     /// hint given), 409 `lease-lost` (another worker carries the operation on: 1 s) and 503
     /// (1 s). Sent as `Retry-After` (whole seconds) and
-    /// [`Retry-After-Ms`](crate::header::RETRY_AFTER_MS). The others are final for this request.
+    /// [`Retry-After-Ms`](idempotency_wire::header::RETRY_AFTER_MS). The others are final for this request.
     ///
     /// ```
     /// # use idempotency_http::IdempotencyRejection;
@@ -223,7 +187,7 @@ impl IdempotencyRejection {
     /// assert_eq!(response.headers()["retry-after-ms"], "40");
     /// ```
     pub fn to_response(&self) -> http::Response<axum::body::Body> {
-        self.to_response_under(crate::DEFAULT_PROBLEM_BASE)
+        self.to_response_under(DEFAULT_PROBLEM_BASE)
     }
 
     /// [`to_response`](Self::to_response) with the problem `type` under another base URI (see
@@ -235,19 +199,13 @@ impl IdempotencyRejection {
     /// assert_eq!(response.status(), 422);
     /// ```
     pub fn to_response_under(&self, base: &str) -> http::Response<axum::body::Body> {
-        let mut problem = self.to_problem();
-        if base != crate::DEFAULT_PROBLEM_BASE {
-            if let Some(slug) = problem.type_uri.strip_prefix(crate::DEFAULT_PROBLEM_BASE) {
-                problem.type_uri = format!("{base}{slug}");
-            }
-        }
-        let mut response = problem.into_http_response();
+        let mut response = self.to_problem_under(base).into_http_response();
         if let Some(retry_after) = self.retry_after() {
             let millis = u64::try_from(retry_after.as_millis())
                 .unwrap_or(u64::MAX)
                 .max(1);
             response.headers_mut().insert(
-                crate::header::RETRY_AFTER_MS,
+                idempotency_wire::header::RETRY_AFTER_MS,
                 http::HeaderValue::from(millis),
             );
         }

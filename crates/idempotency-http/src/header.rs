@@ -6,47 +6,12 @@
 //!
 //! A value that starts with `"` is read as a Structured Field String; anything else as a bare key.
 //! Either way the key must be 1..=255 characters of printable ASCII.
+//!
+//! The header names themselves are [`idempotency_wire::header`]'s.
 
-use http::{HeaderMap, HeaderName, HeaderValue};
+use http::{HeaderMap, HeaderValue};
 use idempotency::MAX_PART_LEN;
-
-/// `Idempotency-Key`, the request header read by the layer.
-///
-/// ```
-/// assert_eq!(idempotency_http::header::IDEMPOTENCY_KEY, "idempotency-key");
-/// ```
-pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
-
-/// `Idempotent-Replayed: true`, added to replayed responses.
-///
-/// ```
-/// assert_eq!(idempotency_http::header::IDEMPOTENT_REPLAYED, "idempotent-replayed");
-/// ```
-pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
-
-/// `Idempotency-Key-Retention: <seconds>`, optionally added to protected responses: how long after
-/// completion the key and its response are remembered (see
-/// [`IdempotencyLayer::with_retention_header`](crate::IdempotencyLayer::with_retention_header)).
-///
-/// ```
-/// assert_eq!(idempotency_http::header::IDEMPOTENCY_KEY_RETENTION, "idempotency-key-retention");
-/// ```
-pub const IDEMPOTENCY_KEY_RETENTION: HeaderName =
-    HeaderName::from_static("idempotency-key-retention");
-
-/// `Retry-After-Ms: <milliseconds>`, beside `Retry-After` on the layer's 409 `in-progress`, 409
-/// `lease-lost` and 503 answers: the same hint, in milliseconds.
-///
-/// `Retry-After` is whole seconds (RFC 9110), rounded up to at least 1, which is far too coarse
-/// for a double click on an operation of a few milliseconds. `Retry-After-Ms` carries the precise
-/// hint (for a 409 `in-progress`, the layer's estimate of how long the operation takes, see
-/// [`in_flight`](crate::in_flight)); a client that knows it waits that long instead, one that
-/// does not keeps reading `Retry-After`. `idempotency-client` prefers it.
-///
-/// ```
-/// assert_eq!(idempotency_http::header::RETRY_AFTER_MS, "retry-after-ms");
-/// ```
-pub const RETRY_AFTER_MS: HeaderName = HeaderName::from_static("retry-after-ms");
+use idempotency_wire::header::IDEMPOTENCY_KEY;
 
 /// Why an `Idempotency-Key` header was rejected (answered with 400).
 ///
@@ -82,7 +47,8 @@ pub enum KeyHeaderError {
 /// malformed.
 ///
 /// ```
-/// use idempotency_http::header::{key_from_headers, IDEMPOTENCY_KEY};
+/// use idempotency_http::header::key_from_headers;
+/// use idempotency_wire::header::IDEMPOTENCY_KEY;
 /// let mut headers = http::HeaderMap::new();
 /// assert_eq!(key_from_headers(&headers), Ok(None));
 /// headers.insert(IDEMPOTENCY_KEY, "\"abc-123\"".parse().unwrap());

@@ -33,7 +33,7 @@
 //! # The retry hint
 //!
 //! A 409 `in-progress` carries `Retry-After` in whole seconds, as HTTP requires (at least 1),
-//! and [`Retry-After-Ms`](crate::header::RETRY_AFTER_MS), the same hint in milliseconds. The
+//! and [`Retry-After-Ms`](idempotency_wire::header::RETRY_AFTER_MS), the same hint in milliseconds. The
 //! hint is the layer's estimate of how long the operation takes: the median of its last 16
 //! executions in this process (from the reservation to the commit of the completion; a median,
 //! so that a cold first request does not skew it), at least 10 ms, and never more than the

@@ -1,11 +1,11 @@
 //! [`IdempotencyLayer`]: the configuration and builder, and the [`tower::Layer`] impl.
 
 use crate::{
-    service::IdempotencyService,
-    settings::{
-        IdempotencyScope, KeyRequirement, MissingScope, OperationSource, Settings,
+    config::{
+        Config, IdempotencyScope, KeyRequirement, MissingScope, OperationSource, State,
         DEFAULT_BODY_LIMIT,
     },
+    service::IdempotencyService,
 };
 use http::{request::Parts, HeaderName, Method, StatusCode};
 use idempotency::{Disposition, Effects, Idempotency, Store};
@@ -24,15 +24,16 @@ use std::{fmt, sync::Arc, time::Duration};
 /// ([`wait_for_in_flight`](Self::with_wait_for_in_flight)), and the lease and retention of the
 /// [`Idempotency`] engine.
 ///
-/// ```no_run
+/// ```
 /// use axum::{routing::post, Router};
 /// use http::{HeaderName, Method};
-/// use idempotency::{PgStore, Effects, Idempotency};
+/// use idempotency::{SqliteStore, Effects, Idempotency};
 /// use idempotency_http::{IdempotencyLayer, KeyRequirement, MissingScope};
 /// use std::time::Duration;
 ///
-/// # async fn demo(pool: sqlx::PgPool) {
-/// let engine = Idempotency::new(PgStore::new(pool))
+/// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+/// let store = SqliteStore::connect("sqlite::memory:").await.unwrap();
+/// let engine = Idempotency::new(store)
 ///     .with_lease(Duration::from_secs(30))
 ///     .with_retention(Duration::from_secs(24 * 3600));
 /// let layer = IdempotencyLayer::new(engine)
@@ -47,23 +48,18 @@ use std::{fmt, sync::Arc, time::Duration};
 /// let app: Router = Router::new()
 ///     .route("/payments", post(|| async { "paid" }))
 ///     .route_layer(layer);
-/// # }
+/// # });
 /// ```
+#[derive(Clone)]
 pub struct IdempotencyLayer<S> {
-    pub(crate) settings: Settings<S>,
-}
-
-impl<S: Clone> Clone for IdempotencyLayer<S> {
-    fn clone(&self) -> Self {
-        Self {
-            settings: self.settings.clone(),
-        }
-    }
+    config: Config<S>,
+    /// Shared by the layer's clones and every service they make.
+    state: Arc<State>,
 }
 
 impl<S> fmt::Debug for IdempotencyLayer<S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let s = &self.settings;
+        let s = &self.config;
         f.debug_struct("IdempotencyLayer")
             .field("methods", &s.methods)
             .field("key_requirement", &s.key_requirement)
@@ -82,17 +78,18 @@ impl<S: Store> IdempotencyLayer<S> {
     /// A layer with the defaults described on [`IdempotencyLayer`], on `idempotency`'s store,
     /// lease and retention.
     ///
-    /// ```no_run
-    /// # async fn demo() -> Result<(), idempotency::StoreError> {
+    /// ```
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
     /// use idempotency::{SqliteStore, Store, Idempotency};
-    /// let store = SqliteStore::connect("sqlite://shop.db?mode=rwc").await?;
+    /// let store = SqliteStore::connect("sqlite::memory:").await?;
     /// store.migrate().await?;
     /// let layer = idempotency_http::IdempotencyLayer::new(Idempotency::new(store));
-    /// # Ok(()) }
+    /// # Ok::<(), idempotency::StoreError>(()) }).unwrap();
     /// ```
     pub fn new(idempotency: Idempotency<S>) -> Self {
         Self {
-            settings: Settings {
+            state: Arc::default(),
+            config: Config {
                 idempotency,
                 methods: vec![Method::POST, Method::PATCH],
                 key_requirement: KeyRequirement::Required,
@@ -111,37 +108,39 @@ impl<S: Store> IdempotencyLayer<S> {
                 body_limit: DEFAULT_BODY_LIMIT,
                 disposition_by_status: Arc::new(crate::default_disposition),
                 retention_header: false,
-                replay_header: crate::header::IDEMPOTENT_REPLAYED,
-                problem_base: Arc::from(crate::DEFAULT_PROBLEM_BASE),
+                replay_header: idempotency_wire::header::IDEMPOTENT_REPLAYED,
+                problem_base: Arc::from(idempotency_wire::DEFAULT_PROBLEM_BASE),
                 detach: false,
                 wait_for_in_flight: None,
-                estimates: Arc::default(),
-                waiters: Arc::default(),
             },
         }
     }
 
     /// The methods the layer protects (default POST and PATCH); others pass through untouched.
     ///
-    /// ```no_run
-    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::SqliteStore>) {
+    /// ```
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// # let store = idempotency::SqliteStore::connect("sqlite::memory:").await.unwrap();
+    /// # let layer = idempotency_http::IdempotencyLayer::new(idempotency::Idempotency::new(store));
     /// let layer = layer.with_methods([http::Method::POST, http::Method::PATCH, http::Method::DELETE]);
-    /// # }
+    /// # });
     /// ```
     pub fn with_methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
-        self.settings.methods = methods.into_iter().collect();
+        self.config.methods = methods.into_iter().collect();
         self
     }
 
     /// Whether the key is required (missing → 400) or optional (missing → run unprotected).
     ///
-    /// ```no_run
-    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::SqliteStore>) {
+    /// ```
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// # let store = idempotency::SqliteStore::connect("sqlite::memory:").await.unwrap();
+    /// # let layer = idempotency_http::IdempotencyLayer::new(idempotency::Idempotency::new(store));
     /// let layer = layer.with_key_requirement(idempotency_http::KeyRequirement::Optional);
-    /// # }
+    /// # });
     /// ```
     pub fn with_key_requirement(mut self, requirement: KeyRequirement) -> Self {
-        self.settings.key_requirement = requirement;
+        self.config.key_requirement = requirement;
         self
     }
 
@@ -149,57 +148,65 @@ impl<S: Store> IdempotencyLayer<S> {
     /// reading what the auth layer put into the extensions. Replaces the default, which reads
     /// the [`IdempotencyScope`] extension.
     ///
-    /// ```no_run
-    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::SqliteStore>) {
+    /// ```
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// # let store = idempotency::SqliteStore::connect("sqlite::memory:").await.unwrap();
+    /// # let layer = idempotency_http::IdempotencyLayer::new(idempotency::Idempotency::new(store));
     /// #[derive(Clone)]
     /// struct User { id: u64 }
     /// let layer = layer.with_scope_from(|parts| parts.extensions.get::<User>().map(|u| format!("user-{}", u.id)));
-    /// # }
+    /// # });
     /// ```
     pub fn with_scope_from(
         mut self,
         scope: impl Fn(&Parts) -> Option<String> + Send + Sync + 'static,
     ) -> Self {
-        self.settings.scope = Arc::new(scope);
+        self.config.scope = Arc::new(scope);
         self
     }
 
     /// What to do when there is no scope (default: reject with 401).
     ///
-    /// ```no_run
-    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::SqliteStore>) {
+    /// ```
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// # let store = idempotency::SqliteStore::connect("sqlite::memory:").await.unwrap();
+    /// # let layer = idempotency_http::IdempotencyLayer::new(idempotency::Idempotency::new(store));
     /// let layer = layer.with_missing_scope(idempotency_http::MissingScope::Fixed("public".into()));
-    /// # }
+    /// # });
     /// ```
     pub fn with_missing_scope(mut self, missing: MissingScope) -> Self {
-        self.settings.missing_scope = missing;
+        self.config.missing_scope = missing;
         self
     }
 
     /// A fixed operation name for the route, instead of `METHOD /route/{template}`.
     ///
-    /// ```no_run
-    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::SqliteStore>) {
+    /// ```
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// # let store = idempotency::SqliteStore::connect("sqlite::memory:").await.unwrap();
+    /// # let layer = idempotency_http::IdempotencyLayer::new(idempotency::Idempotency::new(store));
     /// let layer = layer.with_operation("purchase");
-    /// # }
+    /// # });
     /// ```
     pub fn with_operation(mut self, operation: impl Into<String>) -> Self {
-        self.settings.operation = OperationSource::Fixed(operation.into());
+        self.config.operation = OperationSource::Fixed(operation.into());
         self
     }
 
     /// The operation name as a function of the request head.
     ///
-    /// ```no_run
-    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::SqliteStore>) {
+    /// ```
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// # let store = idempotency::SqliteStore::connect("sqlite::memory:").await.unwrap();
+    /// # let layer = idempotency_http::IdempotencyLayer::new(idempotency::Idempotency::new(store));
     /// let layer = layer.operation_from(|parts| format!("{} v2", parts.method));
-    /// # }
+    /// # });
     /// ```
     pub fn operation_from(
         mut self,
         operation: impl Fn(&Parts) -> String + Send + Sync + 'static,
     ) -> Self {
-        self.settings.operation = OperationSource::Custom(Arc::new(operation));
+        self.config.operation = OperationSource::Custom(Arc::new(operation));
         self
     }
 
@@ -207,13 +214,15 @@ impl<S: Store> IdempotencyLayer<S> {
     /// whose worker vanished is never taken over automatically (the recovery job or an operator
     /// decides), and retries get 409 until then.
     ///
-    /// ```no_run
-    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::SqliteStore>) {
+    /// ```
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// # let store = idempotency::SqliteStore::connect("sqlite::memory:").await.unwrap();
+    /// # let layer = idempotency_http::IdempotencyLayer::new(idempotency::Idempotency::new(store));
     /// let layer = layer.with_effects(idempotency::Effects::External);
-    /// # }
+    /// # });
     /// ```
     pub fn with_effects(mut self, effects: Effects) -> Self {
-        self.settings.effects = effects;
+        self.config.effects = effects;
         self
     }
 
@@ -226,49 +235,55 @@ impl<S: Store> IdempotencyLayer<S> {
     /// 4xx) is stored and replayed; a 5xx, a panic or a cancellation releases the key even with
     /// [`Effects::External`], since nothing can have gone out.
     pub(crate) fn with_journaled(mut self, journaled: bool) -> Self {
-        self.settings.journaled = journaled;
+        self.config.journaled = journaled;
         self
     }
 
     /// Request headers that are part of the fingerprint (beside method, path and body): a retry
     /// with another value is a different request (422).
     ///
-    /// ```no_run
-    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::SqliteStore>) {
+    /// ```
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// # let store = idempotency::SqliteStore::connect("sqlite::memory:").await.unwrap();
+    /// # let layer = idempotency_http::IdempotencyLayer::new(idempotency::Idempotency::new(store));
     /// let layer = layer.with_fingerprint_headers([http::HeaderName::from_static("x-currency")]);
-    /// # }
+    /// # });
     /// ```
     pub fn with_fingerprint_headers(
         mut self,
         headers: impl IntoIterator<Item = HeaderName>,
     ) -> Self {
-        self.settings.fingerprint_headers = headers.into_iter().collect();
+        self.config.fingerprint_headers = headers.into_iter().collect();
         self
     }
 
     /// Response headers stored and replayed beside `Content-Type` and `Location`. Cookies and
     /// authentication headers are never stored ([`NEVER_STORED`](crate::stored::NEVER_STORED)).
     ///
-    /// ```no_run
-    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::SqliteStore>) {
+    /// ```
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// # let store = idempotency::SqliteStore::connect("sqlite::memory:").await.unwrap();
+    /// # let layer = idempotency_http::IdempotencyLayer::new(idempotency::Idempotency::new(store));
     /// let layer = layer.with_stored_headers([http::HeaderName::from_static("x-order-id")]);
-    /// # }
+    /// # });
     /// ```
     pub fn with_stored_headers(mut self, headers: impl IntoIterator<Item = HeaderName>) -> Self {
-        self.settings.stored_headers = headers.into_iter().collect();
+        self.config.stored_headers = headers.into_iter().collect();
         self
     }
 
     /// The largest request body read (default 1 MiB); a larger one is refused with 413 before
     /// anything is reserved.
     ///
-    /// ```no_run
-    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::SqliteStore>) {
+    /// ```
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// # let store = idempotency::SqliteStore::connect("sqlite::memory:").await.unwrap();
+    /// # let layer = idempotency_http::IdempotencyLayer::new(idempotency::Idempotency::new(store));
     /// let layer = layer.with_body_limit(16 * 1024);
-    /// # }
+    /// # });
     /// ```
     pub fn with_body_limit(mut self, bytes: usize) -> Self {
-        self.settings.body_limit = bytes;
+        self.config.body_limit = bytes;
         self
     }
 
@@ -289,8 +304,10 @@ impl<S: Store> IdempotencyLayer<S> {
     ///   the recovery job settles it after its lease (asking the provider, or parking it). The
     ///   same holds after a panic.
     ///
-    /// ```no_run
-    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::SqliteStore>) {
+    /// ```
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// # let store = idempotency::SqliteStore::connect("sqlite::memory:").await.unwrap();
+    /// # let layer = idempotency_http::IdempotencyLayer::new(idempotency::Idempotency::new(store));
     /// use idempotency_http::{default_disposition, Disposition};
     /// // Store only successes (every 4xx may be retried), and park after a gateway error.
     /// let layer = layer.with_disposition_by_status(|status| match status.as_u16() {
@@ -298,55 +315,63 @@ impl<S: Store> IdempotencyLayer<S> {
     ///     _ if status.is_success() => default_disposition(status),
     ///     _ => None,
     /// });
-    /// # }
+    /// # });
     /// ```
     pub fn with_disposition_by_status(
         mut self,
         decide: impl Fn(StatusCode) -> Option<Disposition> + Send + Sync + 'static,
     ) -> Self {
-        self.settings.disposition_by_status = Arc::new(decide);
+        self.config.disposition_by_status = Arc::new(decide);
         self
     }
 
     /// Adds `Idempotency-Key-Retention: <seconds>` to protected responses (first and replayed),
     /// telling clients how long after completion the key is remembered (default off).
     ///
-    /// ```no_run
-    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::SqliteStore>) {
+    /// ```
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// # let store = idempotency::SqliteStore::connect("sqlite::memory:").await.unwrap();
+    /// # let layer = idempotency_http::IdempotencyLayer::new(idempotency::Idempotency::new(store));
     /// let layer = layer.with_retention_header(true);
-    /// # }
+    /// # });
     /// ```
     pub fn with_retention_header(mut self, enabled: bool) -> Self {
-        self.settings.retention_header = enabled;
+        self.config.retention_header = enabled;
         self
     }
 
     /// The header that marks a replayed response with `true` (default
-    /// [`Idempotent-Replayed`](crate::header::IDEMPOTENT_REPLAYED), as Stripe and the IETF
+    /// [`Idempotent-Replayed`](idempotency_wire::header::IDEMPOTENT_REPLAYED), as Stripe and the IETF
     /// draft's examples use; the draft has not settled on a name, and some clients expect
     /// another, such as `Idempotency-Replayed`).
     ///
-    /// ```no_run
-    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::SqliteStore>) {
+    /// ```
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// # let store = idempotency::SqliteStore::connect("sqlite::memory:").await.unwrap();
+    /// # let layer = idempotency_http::IdempotencyLayer::new(idempotency::Idempotency::new(store));
     /// let layer = layer.with_replay_header(http::HeaderName::from_static("idempotency-replayed"));
-    /// # }
+    /// # });
     /// ```
     pub fn with_replay_header(mut self, header: HeaderName) -> Self {
-        self.settings.replay_header = header;
+        self.config.replay_header = header;
         self
     }
 
     /// Puts the `type` URIs of the layer's problems under `base` instead of
-    /// [`DEFAULT_PROBLEM_BASE`](crate::DEFAULT_PROBLEM_BASE): `{base}key-reused`, `{base}in-progress` …
-    /// (end it with `/`). Clients match on the slug after the base.
+    /// [`DEFAULT_PROBLEM_BASE`](idempotency_wire::DEFAULT_PROBLEM_BASE): `{base}key-reused`, `{base}in-progress` …
+    /// (end it with `/`). Give clients the same base (`idempotency-client`'s
+    /// `IdempotencyMiddleware::with_problem_base`): they recognise the layer's
+    /// [`ProblemType`](idempotency_wire::ProblemType)s only under it.
     ///
-    /// ```no_run
-    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::SqliteStore>) {
+    /// ```
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// # let store = idempotency::SqliteStore::connect("sqlite::memory:").await.unwrap();
+    /// # let layer = idempotency_http::IdempotencyLayer::new(idempotency::Idempotency::new(store));
     /// let layer = layer.with_problem_base("https://api.shop.example/problems/idempotency/");
-    /// # }
+    /// # });
     /// ```
     pub fn with_problem_base(mut self, base: impl Into<String>) -> Self {
-        self.settings.problem_base = Arc::from(base.into());
+        self.config.problem_base = Arc::from(base.into());
         self
     }
 
@@ -361,13 +386,15 @@ impl<S: Store> IdempotencyLayer<S> {
     /// spawned, so they cost no task. (The reservation itself is cancellation-safe either way:
     /// see [`Idempotency::reserve`].)
     ///
-    /// ```no_run
-    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::SqliteStore>) {
+    /// ```
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// # let store = idempotency::SqliteStore::connect("sqlite::memory:").await.unwrap();
+    /// # let layer = idempotency_http::IdempotencyLayer::new(idempotency::Idempotency::new(store));
     /// let layer = layer.with_detach(true);
-    /// # }
+    /// # });
     /// ```
     pub fn with_detach(mut self, enabled: bool) -> Self {
-        self.settings.detach = enabled;
+        self.config.detach = enabled;
         self
     }
 
@@ -386,60 +413,75 @@ impl<S: Store> IdempotencyLayer<S> {
     /// near the slow end of the route's normal latency (a second or two), not a minute. See
     /// [`in_flight`](crate::in_flight).
     ///
-    /// ```no_run
-    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::SqliteStore>) {
+    /// ```
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// # let store = idempotency::SqliteStore::connect("sqlite::memory:").await.unwrap();
+    /// # let layer = idempotency_http::IdempotencyLayer::new(idempotency::Idempotency::new(store));
     /// let layer = layer.with_wait_for_in_flight(std::time::Duration::from_secs(2));
-    /// # }
+    /// # });
     /// ```
     pub fn with_wait_for_in_flight(mut self, bound: Duration) -> Self {
-        self.settings.wait_for_in_flight = (!bound.is_zero()).then_some(bound);
+        self.config.wait_for_in_flight = (!bound.is_zero()).then_some(bound);
         self
     }
 
     /// The engine: store, lease and retention.
     ///
-    /// ```no_run
-    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::SqliteStore>) {
+    /// ```
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// # let store = idempotency::SqliteStore::connect("sqlite::memory:").await.unwrap();
+    /// # let layer = idempotency_http::IdempotencyLayer::new(idempotency::Idempotency::new(store));
     /// let store = layer.idempotency().store(); // the pool, for the application's own queries
     /// let _ = store.pool();
-    /// # }
+    /// # });
     /// ```
     pub fn idempotency(&self) -> &Idempotency<S> {
-        &self.settings.idempotency
+        &self.config.idempotency
     }
 
     /// How long a handler may run before its key may be taken over (local effects).
     ///
-    /// ```no_run
-    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::SqliteStore>) {
-    /// assert_eq!(layer.lease().as_secs(), 60); // the engine's default
-    /// # }
+    /// ```
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// let store = idempotency::SqliteStore::connect("sqlite::memory:").await.unwrap();
+    /// let engine = idempotency::Idempotency::new(store);
+    /// let engine_default = engine.lease();
+    /// let layer = idempotency_http::IdempotencyLayer::new(engine);
+    /// assert_eq!(layer.lease(), engine_default); // the engine's default
+    /// assert_eq!(layer.with_lease(std::time::Duration::from_secs(30)).lease().as_secs(), 30);
+    /// # });
     /// ```
     pub fn lease(&self) -> Duration {
-        self.settings.idempotency.lease()
+        self.config.idempotency.lease()
     }
 
     /// How long a completed key and its stored response are kept.
     ///
-    /// ```no_run
-    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::SqliteStore>) {
-    /// assert_eq!(layer.retention().as_secs(), 24 * 3600); // the engine's default
-    /// # }
+    /// ```
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// let store = idempotency::SqliteStore::connect("sqlite::memory:").await.unwrap();
+    /// let engine = idempotency::Idempotency::new(store);
+    /// let engine_default = engine.retention();
+    /// let layer = idempotency_http::IdempotencyLayer::new(engine);
+    /// assert_eq!(layer.retention(), engine_default); // the engine's default
+    /// # });
     /// ```
     pub fn retention(&self) -> Duration {
-        self.settings.idempotency.retention()
+        self.config.idempotency.retention()
     }
 
     /// Replaces the lease length.
     ///
-    /// ```no_run
-    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::SqliteStore>) {
+    /// ```
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// # let store = idempotency::SqliteStore::connect("sqlite::memory:").await.unwrap();
+    /// # let layer = idempotency_http::IdempotencyLayer::new(idempotency::Idempotency::new(store));
     /// let layer = layer.with_lease(std::time::Duration::from_secs(10));
     /// assert_eq!(layer.lease().as_secs(), 10);
-    /// # }
+    /// # });
     /// ```
     pub fn with_lease(mut self, lease: Duration) -> Self {
-        self.settings.idempotency = self.settings.idempotency.with_lease(lease);
+        self.config.idempotency = self.config.idempotency.with_lease(lease);
         self
     }
 
@@ -448,26 +490,30 @@ impl<S: Store> IdempotencyLayer<S> {
     /// keeps its key (duplicates get 409 meanwhile); the lease only bounds how long a crashed
     /// process blocks a key.
     ///
-    /// ```no_run
-    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::SqliteStore>) {
+    /// ```
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// # let store = idempotency::SqliteStore::connect("sqlite::memory:").await.unwrap();
+    /// # let layer = idempotency_http::IdempotencyLayer::new(idempotency::Idempotency::new(store));
     /// // The lease must then outlast the slowest handler.
     /// let layer = layer.with_heartbeat(false).with_lease(std::time::Duration::from_secs(120));
-    /// # }
+    /// # });
     /// ```
     pub fn with_heartbeat(mut self, heartbeat: bool) -> Self {
-        self.settings.idempotency = self.settings.idempotency.with_heartbeat(heartbeat);
+        self.config.idempotency = self.config.idempotency.with_heartbeat(heartbeat);
         self
     }
 
     /// Replaces the retention.
     ///
-    /// ```no_run
-    /// # fn demo(layer: idempotency_http::IdempotencyLayer<idempotency::SqliteStore>) {
+    /// ```
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// # let store = idempotency::SqliteStore::connect("sqlite::memory:").await.unwrap();
+    /// # let layer = idempotency_http::IdempotencyLayer::new(idempotency::Idempotency::new(store));
     /// let layer = layer.with_retention(std::time::Duration::from_secs(3600));
-    /// # }
+    /// # });
     /// ```
     pub fn with_retention(mut self, retention: Duration) -> Self {
-        self.settings.idempotency = self.settings.idempotency.with_retention(retention);
+        self.config.idempotency = self.config.idempotency.with_retention(retention);
         self
     }
 }
@@ -476,6 +522,6 @@ impl<S: Store, Inner> tower::Layer<Inner> for IdempotencyLayer<S> {
     type Service = IdempotencyService<S, Inner>;
 
     fn layer(&self, inner: Inner) -> Self::Service {
-        IdempotencyService::new(Arc::new(self.settings.clone()), inner)
+        IdempotencyService::new(Arc::new(self.config.clone()), self.state.clone(), inner)
     }
 }

@@ -10,13 +10,14 @@
 //! Reserve such routes with [`Effects::External`](idempotency::Effects::External): a durable
 //! operation's key must never be taken over as abandoned local work.
 
-use crate::problem::{types, Problem};
+use crate::problem::Problem;
 use axum::{
     extract::FromRequestParts,
     response::{IntoResponse, Response},
 };
-use http::{request::Parts, StatusCode};
+use http::request::Parts;
 use idempotency::{Lease, Store};
+use idempotency_wire::{ProblemType, DEFAULT_PROBLEM_BASE};
 use std::sync::{Arc, Mutex};
 
 /// Where the layer keeps the lease while the handler runs.
@@ -61,19 +62,21 @@ impl<S: Store> LeaseSlot<S> {
 /// stored, or the key released).
 ///
 /// ```no_run
-/// use axum::response::{IntoResponse, Response};
-/// use idempotency::{SqliteStore, Idempotency, Operation};
-/// use idempotency_http::{KeyLease, StoredResponse};
+/// use idempotency::{PerformError, SqliteStore, Idempotency, Operation};
+/// use idempotency_http::{KeyLease, Problem, StoredResponse};
+/// use idempotency_http::wire::{ProblemType, DEFAULT_PROBLEM_BASE};
 ///
-/// async fn purchase<O>(engine: Idempotency<SqliteStore>, operation: O, lease: KeyLease<SqliteStore>, request: O::Request) -> Response
+/// async fn purchase<O>(engine: Idempotency<SqliteStore>, operation: O, lease: KeyLease<SqliteStore>, request: O::Request) -> Result<StoredResponse, Problem>
 /// where
 ///     O: Operation<SqliteStore, Response = StoredResponse>,
 /// {
-///     let Some(lease) = lease.take() else { return http::StatusCode::INTERNAL_SERVER_ERROR.into_response() };
-///     match engine.perform_reserved(&operation, lease, &request).await {
-///         Ok(finished) => finished.into_response().into_response(),
-///         Err(error) => (http::StatusCode::SERVICE_UNAVAILABLE, error.to_string()).into_response(),
-///     }
+///     let internal = || Problem::of(ProblemType::Internal, DEFAULT_PROBLEM_BASE);
+///     let lease = lease.take().ok_or_else(internal)?;
+///     let finished = engine
+///         .perform_reserved(&operation, lease, &request)
+///         .await
+///         .map_err(|error: PerformError| internal().with_detail(error.to_string()))?;
+///     Ok(finished.into())
 /// }
 /// ```
 pub struct KeyLease<S: Store>(LeaseSlot<S>);
@@ -105,13 +108,9 @@ pub struct LeaseRejection;
 
 impl IntoResponse for LeaseRejection {
     fn into_response(self) -> Response {
-        Problem::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            types::INTERNAL,
-            "Internal error",
-        )
-        .with_detail(self.to_string())
-        .into_response()
+        Problem::of(ProblemType::Internal, DEFAULT_PROBLEM_BASE)
+            .with_detail(self.to_string())
+            .into_response()
     }
 }
 

@@ -34,7 +34,8 @@
 //!    (never for handlers that do not ask for it). The held
 //!    [`IdempotencyKey`](idempotency::IdempotencyKey) is in the request extensions
 //!    (`Option<Extension<IdempotencyKey>>`), for handlers that pass it on to a provider that
-//!    accepts idempotency keys itself.
+//!    accepts idempotency keys itself, and so is the scope it is kept under
+//!    (`Extension<IdempotencyScope>`, whichever source it came from).
 //! 8. Only a **success or a redirection** (2xx, 3xx) lets the handler's writes commit
 //!    ([`commits_writes`]): such a response is captured as a [`StoredResponse`] (status,
 //!    `Content-Type`, `Location` and the configured headers, never cookies or credentials, and
@@ -74,7 +75,14 @@
 //! it again. With [`IdempotencyLayer::with_detach`] the handler runs in a task of its own instead and
 //! finishes whatever the client does; its retry gets the stored response.
 //!
-//! Refusals are `application/problem+json` (RFC 9457, [`Problem`], [`problem_types`]).
+//! Refusals are `application/problem+json` (RFC 9457, [`Problem`]), one
+//! [`ProblemType`](wire::ProblemType) each, with their `type` under a `tag:` URI by default
+//! ([`IdempotencyLayer::with_problem_base`] for your own). Besides `type`, `title`, `status` and
+//! `detail` they carry what a client may do next: `retry` (`same-key`, `new-key` or `no`) and,
+//! where the layer knows it, `key_state` (`pending`, `needs_review`); see [`wire`], the
+//! vocabulary shared with `idempotency-client`. A durable operation's handler returns its
+//! answer as a [`StoredResponse`] (`StoredResponse::from(finished)`, or
+//! [`StoredResponse::json`]), which is a response.
 //!
 //! # Handlers that do not take the transaction
 //!
@@ -169,6 +177,7 @@
 #[doc = include_str!("../README.md")]
 struct ReadmeDoctests;
 
+mod config;
 mod disposition;
 mod durable;
 mod error;
@@ -179,19 +188,20 @@ mod lease;
 pub mod metrics;
 mod problem;
 mod service;
-mod settings;
 mod stored;
 mod tx;
 
+pub use config::{IdempotencyScope, KeyRequirement, MissingScope, DEFAULT_BODY_LIMIT};
 pub use disposition::{commits_writes, default_disposition, is_definitive};
 pub use durable::{DurableRoute, UnregisteredOperation};
 pub use error::{BoxError, IdempotencyRejection, InternalError};
 pub use layer::IdempotencyLayer;
 pub use lease::{KeyLease, LeaseRejection};
-pub use problem::{types as problem_types, Problem, DEFAULT_PROBLEM_BASE, PROBLEM_JSON};
+pub use problem::Problem;
 pub use service::{IdempotencyService, ResponseFuture};
-pub use settings::{IdempotencyScope, KeyRequirement, MissingScope, DEFAULT_BODY_LIMIT};
 pub use stored::{StoredResponse, ALWAYS_STORED, NEVER_STORED};
 pub use tx::{IdempotentTx, TxRejection};
 
 pub use idempotency::{Disposition, Effects, Idempotency};
+/// The wire vocabulary shared with the client: header names and problem types.
+pub use idempotency_wire as wire;

@@ -1,7 +1,8 @@
 //! `application/problem+json` responses (RFC 9457) with stable `type` URIs.
 //!
-//! Every refusal of the layer is a [`Problem`]; applications can build their own (401, 400 …) with
-//! the same helper so that clients see one error format.
+//! Every refusal of the layer is a [`Problem`] of one of the
+//! [`ProblemType`](idempotency_wire::ProblemType)s; applications can build their own (401, 400 …)
+//! with the same helper so that clients see one error format.
 
 use crate::{Disposition, StoredResponse};
 use axum::{
@@ -9,56 +10,10 @@ use axum::{
     response::{IntoResponse, Response},
 };
 use http::{header, HeaderValue, StatusCode};
+use idempotency_wire::{ProblemType, KEY_STATE_MEMBER, PROBLEM_JSON, RETRY_MEMBER};
 use serde::Serialize;
 use serde_json::{Map, Value};
 use std::time::Duration;
-
-/// The media type of problem documents.
-pub const PROBLEM_JSON: &str = "application/problem+json";
-
-/// The default base of the layer's problem `type` URIs: each type is this base followed by a
-/// slug (`key-reused`, `in-progress` …). The URIs are identifiers, not documents: nothing is
-/// served there. Put the types under a base you control, where you can document them for your
-/// clients, with [`IdempotencyLayer::with_problem_base`](crate::IdempotencyLayer::with_problem_base);
-/// the slugs stay the same.
-pub const DEFAULT_PROBLEM_BASE: &str = "https://idempotency.dev/problems/";
-
-/// The stable `type` URIs of the problems this crate answers with (under [`DEFAULT_PROBLEM_BASE`]).
-///
-/// ```
-/// use idempotency_http::problem_types;
-/// assert_eq!(problem_types::KEY_REUSED, "https://idempotency.dev/problems/key-reused");
-/// ```
-pub mod types {
-    /// 400: the route requires an `Idempotency-Key` header and the request has none.
-    pub const KEY_MISSING: &str = "https://idempotency.dev/problems/key-missing";
-    /// 400: the `Idempotency-Key` header is malformed, repeated or too long.
-    pub const KEY_INVALID: &str = "https://idempotency.dev/problems/key-invalid";
-    /// 401: no scope (user, tenant) could be found for the request.
-    pub const SCOPE_MISSING: &str = "https://idempotency.dev/problems/scope-missing";
-    /// 409: a request with the same key is still being processed; retry after `Retry-After`.
-    pub const IN_PROGRESS: &str = "https://idempotency.dev/problems/in-progress";
-    /// 409: the key is parked for an operator: an outside effect may or may not have happened.
-    pub const NEEDS_REVIEW: &str = "https://idempotency.dev/problems/needs-review";
-    /// 409: the lease on the key was lost while the handler ran; its work was rolled back.
-    pub const LEASE_LOST: &str = "https://idempotency.dev/problems/lease-lost";
-    /// 422: the key was already used with a different request.
-    pub const KEY_REUSED: &str = "https://idempotency.dev/problems/key-reused";
-    /// 413: the request body is larger than the layer's limit.
-    pub const BODY_TOO_LARGE: &str = "https://idempotency.dev/problems/body-too-large";
-    /// 400: the request declares a JSON content type but its body is not JSON.
-    pub const BODY_NOT_JSON: &str = "https://idempotency.dev/problems/body-not-json";
-    /// 400: the request body could not be read.
-    pub const BODY_UNREADABLE: &str = "https://idempotency.dev/problems/body-unreadable";
-    /// 503: a durable operation did not settle in this request (an outside outcome is unknown,
-    /// or it stopped after a step took effect): it is carried on in the background; retry with
-    /// the same key after `Retry-After`.
-    pub const OPERATION_PENDING: &str = "https://idempotency.dev/problems/operation-pending";
-    /// 503: the idempotency store cannot be reached; nothing was run.
-    pub const STORE_UNAVAILABLE: &str = "https://idempotency.dev/problems/store-unavailable";
-    /// 500: an internal failure (corrupt stored response, misuse of the transaction extractor …).
-    pub const INTERNAL: &str = "https://idempotency.dev/problems/internal";
-}
 
 /// One RFC 9457 problem document, and the HTTP response that carries it.
 ///
@@ -119,6 +74,34 @@ impl Problem {
             detail: None,
             retry_after: None,
             more: None,
+        }
+    }
+
+    /// The layer's problem of kind `problem_type`, its `type` under `base`
+    /// ([`DEFAULT_PROBLEM_BASE`](idempotency_wire::DEFAULT_PROBLEM_BASE) unless the layer was
+    /// given another): its status and title, and the extension members that tell a client what
+    /// to do next, `retry` and, where known, `key_state` (see [`idempotency_wire`]).
+    ///
+    /// ```
+    /// use idempotency_http::Problem;
+    /// use idempotency_wire::{ProblemType, DEFAULT_PROBLEM_BASE};
+    /// let problem = Problem::of(ProblemType::InProgress, DEFAULT_PROBLEM_BASE);
+    /// assert_eq!(problem.status(), 409);
+    /// let document = serde_json::to_value(&problem).unwrap();
+    /// assert_eq!(document["type"], "tag:idempotency,2026:problems/in-progress");
+    /// assert_eq!(document["retry"], "same-key");
+    /// assert_eq!(document["key_state"], "pending");
+    /// ```
+    pub fn of(problem_type: ProblemType, base: &str) -> Self {
+        let problem = Self::new(
+            problem_type.status(),
+            problem_type.type_uri(base),
+            problem_type.title(),
+        )
+        .with_extension(RETRY_MEMBER, problem_type.retry().as_str());
+        match problem_type.key_state() {
+            Some(state) => problem.with_extension(KEY_STATE_MEMBER, state),
+            None => problem,
         }
     }
 
@@ -321,7 +304,8 @@ mod tests {
 
     #[tokio::test]
     async fn problem_document_has_rfc9457_members() {
-        let response = Problem::new(StatusCode::CONFLICT, types::IN_PROGRESS, "In progress")
+        let in_progress = "https://errors.example.com/in-progress";
+        let response = Problem::new(StatusCode::CONFLICT, in_progress, "In progress")
             .with_detail("wait")
             .with_retry_after(Duration::from_millis(2001))
             .into_http_response();
@@ -330,7 +314,7 @@ mod tests {
         let json: serde_json::Value = serde_json::from_slice(&body).unwrap();
         assert_eq!(
             json,
-            serde_json::json!({"type": types::IN_PROGRESS, "title": "In progress", "status": 409, "detail": "wait"})
+            serde_json::json!({"type": in_progress, "title": "In progress", "status": 409, "detail": "wait"})
         );
     }
 }

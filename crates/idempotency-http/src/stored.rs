@@ -1,9 +1,9 @@
 //! The response kept with a completed key and replayed to retries.
 
-use crate::header::IDEMPOTENT_REPLAYED;
 use axum::body::Body;
 use base64::{engine::general_purpose::STANDARD, Engine as _};
 use http::{header, HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
+use idempotency_wire::header::IDEMPOTENT_REPLAYED;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 /// Headers that are never stored, whatever the configuration: cookies and credentials belong to
@@ -110,6 +110,28 @@ impl StoredResponse {
         }
     }
 
+    /// A JSON response: `status`, `Content-Type: application/json` and `value` serialised, the
+    /// form a durable operation returns its answer in. Fails only for a value `serde_json`
+    /// cannot write (a map with non-string keys).
+    ///
+    /// ```
+    /// use idempotency_http::StoredResponse;
+    /// let stored = StoredResponse::json(http::StatusCode::CREATED, &serde_json::json!({"id": 7})).unwrap();
+    /// assert_eq!(stored.status, 201);
+    /// assert_eq!(stored.headers, vec![("content-type".to_owned(), "application/json".to_owned())]);
+    /// assert_eq!(stored.body, br#"{"id":7}"#);
+    /// ```
+    pub fn json(status: StatusCode, value: &impl Serialize) -> Result<Self, serde_json::Error> {
+        Ok(Self {
+            status: status.as_u16(),
+            headers: vec![(
+                header::CONTENT_TYPE.as_str().to_owned(),
+                "application/json".to_owned(),
+            )],
+            body: serde_json::to_vec(value)?,
+        })
+    }
+
     /// The JSON bytes kept in the store.
     ///
     /// ```
@@ -186,5 +208,39 @@ impl StoredResponse {
             .headers_mut()
             .insert(header, HeaderValue::from_static("true"));
         response
+    }
+}
+
+/// A stored response answers a request as first sent (no replay marker), so that a handler can
+/// return one: the answer of a durable operation, for example.
+///
+/// ```
+/// use axum::response::IntoResponse;
+/// use idempotency_http::StoredResponse;
+/// let stored = StoredResponse::json(http::StatusCode::CREATED, &serde_json::json!({"id": 7})).unwrap();
+/// let response = IntoResponse::into_response(stored);
+/// assert_eq!(response.status(), 201);
+/// assert_eq!(response.headers()["content-type"], "application/json");
+/// ```
+impl axum::response::IntoResponse for StoredResponse {
+    fn into_response(self) -> axum::response::Response {
+        StoredResponse::into_response(self)
+    }
+}
+
+/// The stored answer of a finished durable operation
+/// ([`Idempotency::perform_reserved`](idempotency::Idempotency::perform_reserved)), to return
+/// from the handler.
+///
+/// ```
+/// # fn demo(finished: idempotency::Finished<idempotency_http::StoredResponse>) -> axum::response::Response {
+/// use axum::response::IntoResponse;
+/// use idempotency_http::StoredResponse;
+/// StoredResponse::from(finished).into_response()
+/// # }
+/// ```
+impl From<idempotency::Finished<StoredResponse>> for StoredResponse {
+    fn from(finished: idempotency::Finished<StoredResponse>) -> Self {
+        finished.into_response()
     }
 }

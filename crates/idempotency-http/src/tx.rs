@@ -7,14 +7,15 @@
 //! ([`Lease::finish`](idempotency::Lease::finish)), so the handler's rows and the stored response
 //! commit together or not at all.
 
-use crate::problem::{types, Problem};
+use crate::problem::Problem;
 use axum::{
     extract::FromRequestParts,
     response::{IntoResponse, Response},
 };
 use futures_util::future::BoxFuture;
-use http::{request::Parts, StatusCode};
+use http::request::Parts;
 use idempotency::StoreError;
+use idempotency_wire::{ProblemType, DEFAULT_PROBLEM_BASE};
 use std::{
     ops::{Deref, DerefMut},
     sync::{Arc, Mutex},
@@ -123,19 +124,11 @@ impl TxRejection {
     /// assert_eq!(TxRejection::AlreadyLent.to_problem().status, 500);
     /// ```
     pub fn to_problem(&self) -> Problem {
-        match self {
-            TxRejection::Begin(_) => Problem::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                types::STORE_UNAVAILABLE,
-                "The database is unavailable",
-            ),
-            _ => Problem::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                types::INTERNAL,
-                "Internal error",
-            ),
-        }
-        .with_detail(self.to_string())
+        let problem_type = match self {
+            TxRejection::Begin(_) => ProblemType::StoreUnavailable,
+            _ => ProblemType::Internal,
+        };
+        Problem::of(problem_type, DEFAULT_PROBLEM_BASE).with_detail(self.to_string())
     }
 }
 

@@ -4,7 +4,7 @@ mod common;
 
 use common::{new_key, Answer, TestApp};
 use futures_util::future::join_all;
-use idempotency_http::problem_types as types;
+use idempotency_wire::ProblemType;
 use serde_json::json;
 use std::time::Duration;
 
@@ -72,7 +72,7 @@ async fn concurrent_identical_posts_execute_once(app: TestApp) {
                 201 => {}
                 409 => {
                     conflicts += 1;
-                    answer.assert_problem(409, types::IN_PROGRESS);
+                    answer.assert_problem(409, ProblemType::InProgress);
                     let retry_after: u64 = answer.headers["retry-after"]
                         .to_str()
                         .unwrap()
@@ -128,20 +128,20 @@ async fn changed_payload_is_422(app: TestApp) {
     let first = Answer::of(app.post("/orders", "alice", Some(&key), &json!({"sku": "a"}))).await;
     assert_eq!(first.status, 201);
     let reused = Answer::of(app.post("/orders", "alice", Some(&key), &json!({"sku": "b"}))).await;
-    reused.assert_problem(422, types::KEY_REUSED);
+    reused.assert_problem(422, ProblemType::KeyReused);
     // Another path under the same route template is another request too.
     let key = new_key();
     let one = Answer::of(app.post("/orders/1", "alice", Some(&key), &json!({"sku": "c"}))).await;
     assert_eq!(one.status, 201);
     let two = Answer::of(app.post("/orders/2", "alice", Some(&key), &json!({"sku": "c"}))).await;
-    two.assert_problem(422, types::KEY_REUSED);
+    two.assert_problem(422, ProblemType::KeyReused);
     assert_eq!(app.db.orders("b").await, 0);
     assert_eq!(app.db.orders("c").await, 1);
 }
 
 async fn missing_key_on_required_route_is_400(app: TestApp) {
     let answer = Answer::of(app.post("/orders", "alice", None, &json!({"sku": "nokey"}))).await;
-    answer.assert_problem(400, types::KEY_MISSING);
+    answer.assert_problem(400, ProblemType::KeyMissing);
     assert_eq!(app.db.orders("nokey").await, 0);
     assert_eq!(app.db.keys().await, 0);
 }
@@ -150,7 +150,7 @@ async fn invalid_key_is_400(app: TestApp) {
     for bad in ["\"unterminated", "\"\"", &"k".repeat(256), "\"a\";p=1"] {
         let answer =
             Answer::of(app.post("/orders", "alice", Some(bad), &json!({"sku": "bad"}))).await;
-        answer.assert_problem(400, types::KEY_INVALID);
+        answer.assert_problem(400, ProblemType::KeyInvalid);
     }
     let longest = "k".repeat(255);
     let answer =
@@ -213,9 +213,9 @@ async fn other_user_same_key_executes_separately(app: TestApp) {
             .body(body.to_string()),
     )
     .await;
-    anonymous.assert_problem(401, types::SCOPE_MISSING);
+    anonymous.assert_problem(401, ProblemType::ScopeMissing);
     let empty = Answer::of(app.post("/orders", "", Some(&key), &body)).await;
-    empty.assert_problem(401, types::SCOPE_MISSING);
+    empty.assert_problem(401, ProblemType::ScopeMissing);
     assert_eq!(app.db.orders("shared").await, 2);
 }
 
@@ -321,7 +321,7 @@ async fn body_over_limit_is_413_and_nothing_stored(app: TestApp) {
     let key = new_key();
     let big = json!({"sku": "big", "padding": "x".repeat(2000)});
     let answer = Answer::of(app.post("/small", "alice", Some(&key), &big)).await;
-    answer.assert_problem(413, types::BODY_TOO_LARGE);
+    answer.assert_problem(413, ProblemType::BodyTooLarge);
     assert_eq!(app.db.keys().await, 0);
     assert_eq!(app.db.orders("big").await, 0);
     // Just under the limit passes.
@@ -341,7 +341,7 @@ async fn json_content_type_with_bad_json_is_400(app: TestApp) {
             .body("{not json"),
     )
     .await;
-    answer.assert_problem(400, types::BODY_NOT_JSON);
+    answer.assert_problem(400, ProblemType::BodyNotJson);
     assert_eq!(app.db.keys().await, 0);
     // A non-JSON content type is fingerprinted as raw bytes.
     let key = new_key();
@@ -357,7 +357,7 @@ async fn json_content_type_with_bad_json_is_400(app: TestApp) {
     assert!(Answer::of(text("{not json")).await.replayed());
     Answer::of(text("{not json "))
         .await
-        .assert_problem(422, types::KEY_REUSED);
+        .assert_problem(422, ProblemType::KeyReused);
 }
 
 async fn handler_without_transaction_is_stored(app: TestApp) {
@@ -396,7 +396,9 @@ async fn other_methods_pass_through(app: TestApp) {
         }
         Answer::of(request)
     };
-    patch(None).await.assert_problem(400, types::KEY_MISSING);
+    patch(None)
+        .await
+        .assert_problem(400, ProblemType::KeyMissing);
     let key = new_key();
     let first = patch(Some(&key)).await;
     assert_eq!(first.status, 201);
@@ -425,7 +427,7 @@ async fn lost_lease_rolls_back_the_handlers_rows(app: TestApp) {
     let (slow, fast) = tokio::join!(slow, fast);
     assert_eq!(fast.status, 201, "{fast:?}");
     assert!(!fast.replayed(), "the expired lease was taken over");
-    slow.assert_problem(409, types::LEASE_LOST);
+    slow.assert_problem(409, ProblemType::LeaseLost);
     assert_eq!(
         app.db.orders("overtaken").await,
         1,
@@ -458,7 +460,7 @@ async fn a_handler_working_past_its_lease_keeps_its_key(app: TestApp) {
     let (slow, duplicates) = tokio::join!(slow, duplicates);
     assert_eq!(slow.status, 201, "{slow:?}");
     for duplicate in duplicates {
-        duplicate.assert_problem(409, types::IN_PROGRESS);
+        duplicate.assert_problem(409, ProblemType::InProgress);
     }
     assert_eq!(app.db.orders("long-work").await, 1);
     let replay = Answer::of(app.post("/beating", "alice", Some(&key), &body)).await;
@@ -479,7 +481,7 @@ async fn parked_key_is_409_needs_review(app: TestApp) {
     assert_eq!(app.db.orders("charged?").await, 0, "rolled back");
     for _ in 0..2 {
         let retry = Answer::of(app.post("/payments", "alice", Some(&key), &body)).await;
-        retry.assert_problem(409, types::NEEDS_REVIEW);
+        retry.assert_problem(409, ProblemType::NeedsReview);
     }
     // A 500 on the same route releases as usual.
     let key = new_key();
@@ -536,7 +538,7 @@ async fn store_down_is_503_and_the_handler_is_not_run() {
                 .body("{}"),
         )
         .await;
-        answer.assert_problem(503, types::STORE_UNAVAILABLE);
+        answer.assert_problem(503, ProblemType::StoreUnavailable);
         assert!(answer.headers.contains_key("retry-after"));
     }
     assert_eq!(
@@ -598,7 +600,7 @@ async fn handler_disposition_overrides_the_status_policy(app: TestApp) {
     assert_eq!(app.db.orders("parked").await, 0, "rolled back");
     Answer::of(app.post("/strict", "alice", Some(&key), &body))
         .await
-        .assert_problem(409, types::NEEDS_REVIEW);
+        .assert_problem(409, ProblemType::NeedsReview);
 }
 
 // --- Safe defaults: only a success commits; only a definitive answer is stored -------------------
@@ -711,7 +713,7 @@ async fn external_work_answering_5xx_keeps_its_key_pending(app: TestApp) {
     assert_eq!(app.db.state_of(&key).await.as_deref(), Some("pending"));
     Answer::of(app.post("/external-default", "alice", Some(&key), &body))
         .await
-        .assert_problem(409, types::IN_PROGRESS);
+        .assert_problem(409, ProblemType::InProgress);
     assert_eq!(app.db.orders(&sku).await, 0);
 }
 
@@ -735,7 +737,7 @@ async fn external_work_that_panics_keeps_its_key_pending(app: TestApp) {
     assert_eq!(app.db.state_of(&key).await.as_deref(), Some("pending"));
     Answer::of(app.post("/external-default", "alice", Some(&key), &body))
         .await
-        .assert_problem(409, types::IN_PROGRESS);
+        .assert_problem(409, ProblemType::InProgress);
 }
 
 /// The replay marker's name and the problems' base URI are configurable; the defaults are then
@@ -772,7 +774,8 @@ async fn the_replay_header_and_the_problem_base_can_be_configured() {
     assert_eq!(again.headers["idempotency-replayed"], "true");
     assert!(!again.headers.contains_key("idempotent-replayed"));
     let reused = Answer::of(send().body(r#"{"other": 1}"#)).await;
-    reused.assert_problem(422, "https://errors.example.com/idempotency/key-reused");
+    let base = "https://errors.example.com/idempotency/";
+    reused.assert_problem_under(422, ProblemType::KeyReused, base);
     let keyless = Answer::of(
         client
             .post(format!("{url}/orders"))
@@ -781,7 +784,7 @@ async fn the_replay_header_and_the_problem_base_can_be_configured() {
             .body("{}"),
     )
     .await;
-    keyless.assert_problem(400, "https://errors.example.com/idempotency/key-missing");
+    keyless.assert_problem_under(400, ProblemType::KeyMissing, base);
 }
 
 // --- The engine's single-transaction mode (`/single-tx-orders`) --------------------------------
@@ -808,7 +811,7 @@ async fn single_transaction_racers_wait_and_replay(app: TestApp) {
         for answer in &answers {
             match answer.status {
                 201 => replays += usize::from(answer.replayed()),
-                409 if !waits => answer.assert_problem(409, types::IN_PROGRESS),
+                409 if !waits => answer.assert_problem(409, ProblemType::InProgress),
                 other => panic!("trial {trial}: unexpected status {other}: {answer:?}"),
             }
         }

@@ -39,7 +39,7 @@ impl Answer {
     /// ```
     /// # use shop::client::Answer;
     /// let a = Answer { status: reqwest::StatusCode::CONFLICT, replayed: false, retry_after: None,
-    ///     body: serde_json::json!({"type": "https://idempotency.dev/problems/in-progress"}) };
+    ///     body: serde_json::json!({"type": "tag:idempotency,2026:problems/in-progress"}) };
     /// assert!(a.is_problem("in-progress") && !a.is_problem("progress"));
     /// ```
     pub fn is_problem(&self, slug: &str) -> bool {

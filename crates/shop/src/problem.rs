@@ -9,13 +9,14 @@ use axum::{
 pub use idempotency_http::Disposition;
 use serde::de::DeserializeOwned;
 
-/// The base of the shop's problem `type` URIs (the middleware's own problems are
-/// [`idempotency_http::problem_types`], under `https://idempotency.dev/problems/`).
+/// The base of the shop's problem `type` URIs (the middleware's own problems are the
+/// [`ProblemType`](idempotency_http::wire::ProblemType)s, under
+/// [`DEFAULT_PROBLEM_BASE`](idempotency_http::wire::DEFAULT_PROBLEM_BASE)).
 ///
 /// ```
-/// assert_eq!(shop::problem::TYPE_BASE, "https://idempotency.dev/problems/shop/");
+/// assert_eq!(shop::problem::TYPE_BASE, "tag:idempotency,2026:problems/shop/");
 /// ```
-pub const TYPE_BASE: &str = "https://idempotency.dev/problems/shop/";
+pub const TYPE_BASE: &str = "tag:idempotency,2026:problems/shop/";
 
 pub use idempotency_http::Problem;
 
@@ -25,7 +26,7 @@ pub use idempotency_http::Problem;
 /// use shop::problem::{Problem, ShopProblem};
 /// let p = Problem::unprocessable("unknown-sku", "Unknown SKU", "no product 'x'");
 /// assert_eq!(p.status().as_u16(), 422);
-/// assert_eq!(p.type_uri, "https://idempotency.dev/problems/shop/unknown-sku");
+/// assert_eq!(p.type_uri, "tag:idempotency,2026:problems/shop/unknown-sku");
 /// ```
 pub trait ShopProblem: Sized {
     /// A problem with a status, a short slug (the `type` is [`TYPE_BASE`] + slug), a title and a

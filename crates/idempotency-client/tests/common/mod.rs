@@ -8,7 +8,7 @@ use axum::{
     response::{IntoResponse, Response},
     Router,
 };
-use idempotency_client::{IdempotencyMiddleware, RetryPolicy};
+use idempotency_client::{wire::DEFAULT_PROBLEM_BASE, IdempotencyMiddleware, RetryPolicy};
 use reqwest_middleware::ClientWithMiddleware;
 use serde_json::json;
 use std::{
@@ -61,8 +61,8 @@ impl Log {
 
 /// `/status/{code}?...`: answers `code`, unless `succeed_after=N` and N requests to this
 /// path+query were already answered (then 201). Query options: `retry_after` (seconds),
-/// `retry_after_ms`, `problem` (slug of a problem type under idempotency.dev), `replayed=true`,
-/// `delay_ms` (sleep before answering).
+/// `retry_after_ms`, `problem` (slug of a problem type), `base` (the base of its `type`, default
+/// the layer's default), `replayed=true`, `delay_ms` (sleep before answering).
 async fn answer(
     State(log): State<Log>,
     Query(q): Query<HashMap<String, String>>,
@@ -113,8 +113,9 @@ async fn answer(
                 "content-type",
                 HeaderValue::from_static("application/problem+json"),
             );
+            let base = q.get("base").map_or(DEFAULT_PROBLEM_BASE, String::as_str);
             let body = json!({
-                "type": format!("https://idempotency.dev/problems/{slug}"),
+                "type": format!("{base}{slug}"),
                 "title": slug,
                 "status": code,
                 "detail": format!("the test server's {slug}"),

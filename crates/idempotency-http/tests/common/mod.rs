@@ -14,6 +14,7 @@ use idempotency::{Idempotency, MySqlStore, PgStore, SqliteStore, Store};
 use idempotency_http::{
     default_disposition, Disposition, IdempotencyLayer, IdempotentTx, KeyRequirement,
 };
+use idempotency_wire::{ProblemType, DEFAULT_PROBLEM_BASE};
 use sqlx::{MySql, MySqlPool, PgPool, Postgres, Sqlite, SqlitePool};
 use std::time::Duration;
 
@@ -487,7 +488,17 @@ impl Answer {
     }
 
     /// Asserts an RFC 9457 problem of `type_uri` with `status`.
-    pub fn assert_problem(&self, status: u16, type_uri: &str) {
+    /// Asserts a problem document of the layer, under the default base.
+    #[track_caller]
+    pub fn assert_problem(&self, status: u16, problem: ProblemType) {
+        self.assert_problem_under(status, problem, DEFAULT_PROBLEM_BASE);
+    }
+
+    /// Asserts a problem document of the layer with its `type` under `base`: status, type,
+    /// title, and the members that say what to do next.
+    #[track_caller]
+    pub fn assert_problem_under(&self, status: u16, problem: ProblemType, base: &str) {
+        assert_eq!(problem.status(), status);
         assert_eq!(
             self.status,
             status,
@@ -496,9 +507,14 @@ impl Answer {
         );
         assert_eq!(self.headers["content-type"], "application/problem+json");
         let json = self.json();
-        assert_eq!(json["type"], type_uri, "{json}");
+        assert_eq!(json["type"], problem.type_uri(base), "{json}");
         assert_eq!(json["status"], status, "{json}");
-        assert!(json["title"].is_string(), "{json}");
+        assert_eq!(json["title"], problem.title(), "{json}");
+        assert_eq!(json["retry"], problem.retry().as_str(), "{json}");
+        match problem.key_state() {
+            Some(state) => assert_eq!(json["key_state"], state, "{json}"),
+            None => assert!(json.get("key_state").is_none(), "{json}"),
+        }
     }
 }
 

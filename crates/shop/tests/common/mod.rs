@@ -89,7 +89,7 @@ impl Reply {
         let type_uri = self.body["type"].as_str().unwrap_or_default();
         assert!(
             type_uri == format!("{}{slug}", shop::problem::TYPE_BASE)
-                || type_uri == format!("https://idempotency.dev/problems/{slug}"),
+                || type_uri == format!("{}{slug}", idempotency_http::wire::DEFAULT_PROBLEM_BASE),
             "type {slug}: {self:?}"
         );
         assert_eq!(self.body["status"], status, "{self:?}");

@@ -1,5 +1,6 @@
-//! What one [`IdempotencyLayer`](crate::IdempotencyLayer) is configured with: the settings its
-//! builder fills in and its service reads, and the small types that name them.
+//! What one [`IdempotencyLayer`](crate::IdempotencyLayer) is configured with (its builder fills
+//! in a [`Config`], its services read it, never change it), the runtime [`State`] its services
+//! share, and the small public types that name settings.
 
 use crate::in_flight::{Estimates, Waiters};
 use http::{request::Parts, HeaderName, Method, StatusCode};
@@ -46,13 +47,35 @@ pub enum MissingScope {
     Fixed(String),
 }
 
-/// The scope of a request, for auth layers to put into the request extensions; the layer's
-/// default scope source reads it.
+/// The scope of a request (whose key space: a user, a tenant), in the request extensions.
+///
+/// An auth layer puts it there for the layer's default scope source to read. The layer then
+/// puts the scope the key is kept under back into the extensions of a protected request, from
+/// whichever source it came ([`with_scope_from`](crate::IdempotencyLayer::with_scope_from),
+/// [`MissingScope::Fixed`]), so that a handler can read it with
+/// `Extension<IdempotencyScope>`.
 ///
 /// ```
-/// use idempotency_http::IdempotencyScope;
-/// let mut request = http::Request::new(());
-/// request.extensions_mut().insert(IdempotencyScope("user-42".into()));
+/// use axum::{body::Body, Extension};
+/// use http::{Request, Response};
+/// use idempotency_http::{IdempotencyLayer, IdempotencyScope, MissingScope};
+/// use tower::{Layer, ServiceExt};
+///
+/// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+/// let dir = tempfile::tempdir().unwrap();
+/// let store = idempotency::SqliteStore::connect(&format!("sqlite://{}/keys.db", dir.path().display())).await.unwrap();
+/// idempotency::Store::migrate(&store).await.unwrap();
+/// let handler = axum::routing::post(|Extension(IdempotencyScope(scope)): Extension<IdempotencyScope>| async move {
+///     format!("kept under {scope}")
+/// });
+/// let service = IdempotencyLayer::new(idempotency::Idempotency::new(store))
+///     .with_missing_scope(MissingScope::Fixed("everyone".into()))
+///     .layer(handler.with_state(()));
+/// let request = Request::post("/").header("idempotency-key", "k-1").body(Body::empty()).unwrap();
+/// let response = service.oneshot(request).await.unwrap();
+/// let body = http_body_util::BodyExt::collect(response.into_body()).await.unwrap().to_bytes();
+/// assert_eq!(&body[..], b"kept under everyone");
+/// # });
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct IdempotencyScope(pub String);
@@ -69,8 +92,10 @@ pub(crate) enum OperationSource {
     Custom(Arc<OperationFn>),
 }
 
-/// Everything the service needs; shared behind an `Arc`.
-pub(crate) struct Settings<S> {
+/// The layer's configuration: filled in by the builder, then shared read-only behind an `Arc` by
+/// every service the layer makes.
+#[derive(Clone)]
+pub(crate) struct Config<S> {
     pub(crate) idempotency: Idempotency<S>,
     pub(crate) methods: Vec<Method>,
     pub(crate) key_requirement: KeyRequirement,
@@ -88,38 +113,18 @@ pub(crate) struct Settings<S> {
     pub(crate) retention_header: bool,
     /// The header marking a replayed response (default `Idempotent-Replayed`).
     pub(crate) replay_header: HeaderName,
-    /// The base of the problem `type` URIs (default [`crate::DEFAULT_PROBLEM_BASE`]).
+    /// The base of the problem `type` URIs (default
+    /// [`DEFAULT_PROBLEM_BASE`](idempotency_wire::DEFAULT_PROBLEM_BASE)).
     pub(crate) problem_base: Arc<str>,
     pub(crate) detach: bool,
     pub(crate) wait_for_in_flight: Option<Duration>,
-    /// How long executions take, per operation, for the 409's retry hint; shared by clones.
-    pub(crate) estimates: Arc<Estimates>,
-    /// The requests waiting for a key in flight; shared by clones.
-    pub(crate) waiters: Arc<Waiters>,
 }
 
-impl<S: Clone> Clone for Settings<S> {
-    fn clone(&self) -> Self {
-        Self {
-            idempotency: self.idempotency.clone(),
-            methods: self.methods.clone(),
-            key_requirement: self.key_requirement,
-            scope: self.scope.clone(),
-            missing_scope: self.missing_scope.clone(),
-            operation: self.operation.clone(),
-            effects: self.effects,
-            journaled: self.journaled,
-            fingerprint_headers: self.fingerprint_headers.clone(),
-            stored_headers: self.stored_headers.clone(),
-            body_limit: self.body_limit,
-            disposition_by_status: self.disposition_by_status.clone(),
-            retention_header: self.retention_header,
-            replay_header: self.replay_header.clone(),
-            problem_base: self.problem_base.clone(),
-            detach: self.detach,
-            wait_for_in_flight: self.wait_for_in_flight,
-            estimates: self.estimates.clone(),
-            waiters: self.waiters.clone(),
-        }
-    }
+/// What the services of one layer learn and share while they run.
+#[derive(Debug, Default)]
+pub(crate) struct State {
+    /// How long executions take, per operation, for the 409's retry hint.
+    pub(crate) estimates: Estimates,
+    /// The requests waiting for a key in flight.
+    pub(crate) waiters: Waiters,
 }
