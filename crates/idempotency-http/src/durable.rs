@@ -6,13 +6,10 @@
 //! lives, and after a crash its keys are never resumed. [`DurableRoute::new`] takes all four from
 //! the registry, by the operation's name, and refuses to build when the registry lacks it.
 
-use crate::{
-    error::IdempotencyRejection, problem::types, IdempotencyLayer, KeyLease, Problem,
-    StoredResponse, DEFAULT_PROBLEM_BASE,
-};
+use crate::{error::IdempotencyRejection, IdempotencyLayer, KeyLease, Problem, StoredResponse};
 use axum::response::{IntoResponse, Response};
-use http::StatusCode;
 use idempotency::{Effects, Idempotency, Operation, Operations, PerformError, Store};
+use idempotency_wire::{ProblemType, DEFAULT_PROBLEM_BASE};
 use std::{sync::Arc, time::Duration};
 
 /// A route that runs the durable operation `O`, taken from the same [`Operations`] registry the
@@ -173,7 +170,7 @@ where
     /// | parked for an operator | 409 `needs-review` |
     /// | another worker took the key over | 409 `lease-lost`, `Retry-After` |
     /// | failed before any step took effect, the database unreachable | 503 `store-unavailable`, `Retry-After`: nothing was kept |
-    /// | failed before any step took effect, otherwise | 500 `internal`: nothing was kept |
+    /// | failed before any step took effect, otherwise | 500 `internal`: nothing was kept, the key released |
     pub async fn perform(&self, held: KeyLease<S>, request: &O::Request) -> Response {
         let Some(lease) = held.take() else {
             return self.refuse(IdempotencyRejection::LeaseLost);
@@ -183,7 +180,7 @@ where
             .perform_reserved(&*self.operation, lease, request)
             .await
         {
-            Ok(finished) => finished.into_response().into_response(),
+            Ok(finished) => StoredResponse::from(finished).into_response(),
             Err(error) => self.answer(error),
         }
     }
@@ -194,19 +191,16 @@ where
 
     /// The answer to an operation that did not finish in this request.
     fn answer(&self, error: PerformError) -> Response {
+        let base = &self.problem_base;
         match error {
             PerformError::Parked { .. } => self.refuse(IdempotencyRejection::NeedsReview),
             PerformError::LeaseLost => self.refuse(IdempotencyRejection::LeaseLost),
-            PerformError::Released(error) if error.is_unavailable() => Problem::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                self.type_uri(types::STORE_UNAVAILABLE),
-                "Idempotency store unavailable",
-            )
-            .with_detail(format!(
-                "{error}; nothing was kept, and retrying with the same Idempotency-Key is safe"
-            ))
-            .with_retry_after(Duration::from_secs(1))
-            .into_response(),
+            PerformError::Released(error) if error.is_unavailable() => {
+                Problem::of(ProblemType::StoreUnavailable, base)
+                    .with_detail(format!("{error}; nothing was kept"))
+                    .with_retry_after(Duration::from_secs(1))
+                    .into_response()
+            }
             PerformError::Pending {
                 retry_after,
                 reason,
@@ -217,36 +211,20 @@ where
             }
             other => {
                 tracing::error!(error = %other, "durable operation failed");
-                Problem::new(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    self.type_uri(types::INTERNAL),
-                    "Internal error",
-                )
-                .with_detail(format!(
-                    "{other}; nothing was kept, and retrying with the same Idempotency-Key is safe"
-                ))
-                .into_response()
+                Problem::of(ProblemType::Internal, base)
+                    .with_detail(format!("{other}; nothing was kept (the key was released)"))
+                    .into_response()
             }
         }
     }
 
     fn pending(&self, retry_after: Duration, reason: &str) -> Response {
-        Problem::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            self.type_uri(types::OPERATION_PENDING),
-            "Operation pending",
-        )
-        .with_detail(format!(
-            "{reason}; the operation is carried on in the background. Retry with the same Idempotency-Key: 409 until it settles, then its answer"
-        ))
-        .with_retry_after(retry_after)
-        .into_response()
-    }
-
-    fn type_uri(&self, default_uri: &str) -> String {
-        match default_uri.strip_prefix(DEFAULT_PROBLEM_BASE) {
-            Some(slug) => format!("{}{slug}", self.problem_base),
-            None => default_uri.to_owned(),
-        }
+        Problem::of(ProblemType::OperationPending, &self.problem_base)
+            .with_detail(format!(
+                "{reason}; the operation is carried on in the background. Retry with the same \
+                 Idempotency-Key: 409 until it settles, then its answer"
+            ))
+            .with_retry_after(retry_after)
+            .into_response()
     }
 }

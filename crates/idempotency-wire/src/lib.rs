@@ -210,6 +210,10 @@ pub enum ProblemType {
     BodyNotJson,
     /// 400: the request body could not be read; nothing was reserved.
     BodyUnreadable,
+    /// 503: a durable operation did not settle in this request (an outside outcome is unknown,
+    /// or it stopped after a step took effect): it is carried on in the background; retry with
+    /// the same key after `Retry-After` (409 until it settles, then its answer).
+    OperationPending,
     /// 503: the idempotency store cannot be reached; nothing was run.
     StoreUnavailable,
     /// 500: an internal failure (a corrupt stored response, a misused transaction extractor …).
@@ -223,7 +227,7 @@ impl ProblemType {
     /// use idempotency_wire::ProblemType;
     /// assert!(ProblemType::ALL.contains(&ProblemType::Internal));
     /// ```
-    pub const ALL: [ProblemType; 12] = [
+    pub const ALL: [ProblemType; 13] = [
         ProblemType::KeyMissing,
         ProblemType::KeyInvalid,
         ProblemType::ScopeMissing,
@@ -234,6 +238,7 @@ impl ProblemType {
         ProblemType::LeaseLost,
         ProblemType::NeedsReview,
         ProblemType::KeyReused,
+        ProblemType::OperationPending,
         ProblemType::StoreUnavailable,
         ProblemType::Internal,
     ];
@@ -289,7 +294,7 @@ impl ProblemType {
     /// ```
     pub fn key_state(self) -> Option<&'static str> {
         match self {
-            ProblemType::InProgress => Some("pending"),
+            ProblemType::InProgress | ProblemType::OperationPending => Some("pending"),
             ProblemType::NeedsReview => Some("needs_review"),
             _ => None,
         }
@@ -339,7 +344,7 @@ struct Facts {
 }
 
 /// Each problem type's slug, status, title and retry advice.
-const FACTS: [Facts; 12] = [
+const FACTS: [Facts; 13] = [
     Facts {
         problem: ProblemType::KeyMissing,
         slug: "key-missing",
@@ -409,6 +414,13 @@ const FACTS: [Facts; 12] = [
         status: StatusCode::UNPROCESSABLE_ENTITY,
         title: "Idempotency-Key reused with a different request",
         retry: Retry::No,
+    },
+    Facts {
+        problem: ProblemType::OperationPending,
+        slug: "operation-pending",
+        status: StatusCode::SERVICE_UNAVAILABLE,
+        title: "Operation pending",
+        retry: Retry::SameKey,
     },
     Facts {
         problem: ProblemType::StoreUnavailable,
