@@ -318,8 +318,8 @@ async fn postgres_notify_settled_reaches_a_listener() {
 /// be): duplicates sent to the second wait for the original running on the first, woken by
 /// `NOTIFY` on PostgreSQL and by polling elsewhere.
 async fn duplicates_on_another_instance_wait_too(backend: Backend) {
-    let wait = Some(Duration::from_secs(2));
-    let delay = Duration::from_millis(50);
+    let wait = Some(Duration::from_secs(5));
+    let delay = Duration::from_millis(300);
     let Some(database) = backend.fresh_database().await else {
         return;
     };
@@ -331,7 +331,16 @@ async fn duplicates_on_another_instance_wait_too(backend: Backend) {
             let (url, key) = (first.0.clone(), key.clone());
             tokio::spawn(async move { double_clicks(&url, &key, 1).await })
         };
-        tokio::time::sleep(Duration::from_millis(10)).await;
+        // The duplicates go out once the original holds the key (its handler has started),
+        // however slow the machine: sent earlier, one of them could reserve first.
+        let started = tokio::time::Instant::now();
+        while first.1.load(Ordering::SeqCst) < trial + 1 {
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "{backend}: the original never ran"
+            );
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
         let duplicates = double_clicks(&second.0, &key, 8).await;
         let original = original.await.unwrap()[0];
         assert_eq!((original.0, original.1), (201, false), "{backend}");
