@@ -116,6 +116,19 @@ fn client(policy: RetryPolicy) -> ClientWithMiddleware {
         .build()
 }
 
+/// Waits until the handler has started `n` times in all: the request that started it holds its
+/// key. A fixed sleep instead could let a duplicate reserve first on a loaded machine.
+async fn started(runs: &AtomicUsize, n: usize) {
+    let since = tokio::time::Instant::now();
+    while runs.load(Ordering::SeqCst) < n {
+        assert!(
+            since.elapsed() < Duration::from_secs(10),
+            "the handler never started"
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
 /// Sends `n` copies of one operation at once, with plain reqwest (every status is seen as sent).
 async fn double_clicks(url: &str, key: &str, n: usize) -> Vec<(u16, bool, Duration)> {
     let http = reqwest::Client::new();
@@ -167,18 +180,19 @@ async fn waiting_duplicates_get_the_replay(backend: Backend) {
 
 async fn the_wait_is_bounded(backend: Backend) {
     let bound = Duration::from_millis(200);
-    let Some(app) = app(backend, Duration::from_millis(900), 0, Some(bound)).await else {
+    // The original runs for 3 s: a duplicate that waited without the bound would get its 201.
+    let Some(app) = app(backend, Duration::from_secs(3), 0, Some(bound)).await else {
         return;
     };
     let url = app.url.clone();
     let original = tokio::spawn(async move { double_clicks(&url, "slow", 1).await });
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    started(&app.runs, 1).await;
     let duplicate = double_clicks(&app.url, "slow", 1).await[0];
     assert_eq!(duplicate.0, 409, "{duplicate:?}");
     assert!(duplicate.2 >= bound, "waited {:?}", duplicate.2);
     assert!(
-        duplicate.2 < bound + Duration::from_millis(400),
-        "waited {:?}",
+        duplicate.2 < Duration::from_millis(2_500),
+        "waited {:?}, past the bound and nearly the original's whole run",
         duplicate.2
     );
     assert_eq!(original.await.unwrap()[0].0, 201);
@@ -197,7 +211,7 @@ async fn a_released_key_is_run_by_the_waiting_duplicate(backend: Backend) {
     };
     let url = app.url.clone();
     let original = tokio::spawn(async move { double_clicks(&url, "flaky", 1).await });
-    tokio::time::sleep(Duration::from_millis(30)).await;
+    started(&app.runs, 1).await;
     let duplicate = double_clicks(&app.url, "flaky", 1).await[0];
     assert_eq!(original.await.unwrap()[0].0, 500);
     // The key was released after the 500: the waiting duplicate reserved it and ran.
@@ -219,7 +233,7 @@ async fn the_millisecond_hint_shortens_the_retry(backend: Backend) {
     let raw = {
         let url = app.url.clone();
         let original = tokio::spawn(async move { double_clicks(&url, "raw", 1).await });
-        tokio::time::sleep(Duration::from_millis(10)).await;
+        started(&app.runs, 4).await;
         let response = reqwest::Client::new()
             .post(format!("{}/work", app.url))
             .header("idempotency-key", "raw")
@@ -333,14 +347,7 @@ async fn duplicates_on_another_instance_wait_too(backend: Backend) {
         };
         // The duplicates go out once the original holds the key (its handler has started),
         // however slow the machine: sent earlier, one of them could reserve first.
-        let started = tokio::time::Instant::now();
-        while first.1.load(Ordering::SeqCst) < trial + 1 {
-            assert!(
-                started.elapsed() < Duration::from_secs(10),
-                "{backend}: the original never ran"
-            );
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
+        started(&first.1, trial + 1).await;
         let duplicates = double_clicks(&second.0, &key, 8).await;
         let original = original.await.unwrap()[0];
         assert_eq!((original.0, original.1), (201, false), "{backend}");
