@@ -278,7 +278,7 @@ async fn reserve_key<S: Store>(
     in_flight::reserve(
         engine,
         attempt,
-        settings.wait_for_in_flight,
+        settings.wait_for_in_flight.as_ref(),
         &settings.waiters,
         operation,
     )
@@ -392,7 +392,9 @@ where
             .then(|| (attempt.key().clone(), call.settings.clone()));
             let answer = execute(call, attempt, lease, tx).await;
             if let Some((key, settings)) = announce {
-                in_flight::announce(settings.idempotency.store(), &settings.waiters, key);
+                if let Some(wait) = &settings.wait_for_in_flight {
+                    in_flight::announce(settings.idempotency.store(), wait, &settings.waiters, key);
+                }
             }
             return answer;
         }

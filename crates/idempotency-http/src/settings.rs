@@ -4,7 +4,7 @@
 use crate::in_flight::{Estimates, Waiters};
 use http::{request::Parts, HeaderName, Method, StatusCode};
 use idempotency::{Disposition, Effects, Idempotency};
-use std::{sync::Arc, time::Duration};
+use std::sync::Arc;
 
 /// Default largest request body read for fingerprinting: 1 MiB.
 ///
@@ -91,7 +91,7 @@ pub(crate) struct Settings<S> {
     /// The base of the problem `type` URIs (default [`crate::DEFAULT_PROBLEM_BASE`]).
     pub(crate) problem_base: Arc<str>,
     pub(crate) detach: bool,
-    pub(crate) wait_for_in_flight: Option<Duration>,
+    pub(crate) wait_for_in_flight: Option<crate::in_flight::InFlightWait<S>>,
     /// How long executions take, per operation, for the 409's retry hint; shared by clones.
     pub(crate) estimates: Arc<Estimates>,
     /// The requests waiting for a key in flight; shared by clones.
@@ -117,7 +117,7 @@ impl<S: Clone> Clone for Settings<S> {
             replay_header: self.replay_header.clone(),
             problem_base: self.problem_base.clone(),
             detach: self.detach,
-            wait_for_in_flight: self.wait_for_in_flight,
+            wait_for_in_flight: self.wait_for_in_flight.clone(),
             estimates: self.estimates.clone(),
             waiters: self.waiters.clone(),
         }

@@ -7,7 +7,9 @@ use crate::{
     key::{InvalidKey, MAX_PART_LEN},
     operation::Operation,
     protocol::{Attempt, Idempotency},
-    store::{Awaited, Effects, Insertion, KeyState, LeaseToken, PendingRow, Store},
+    store::{
+        Awaited, CompletionSignal, Effects, Insertion, Journal, KeyState, LeaseToken, PendingRow,
+    },
     Fingerprint, IdempotencyKey,
 };
 use futures_util::{future::BoxFuture, FutureExt};
@@ -378,7 +380,7 @@ pub struct Consumer<S> {
     in_progress_wait: Duration,
 }
 
-impl<S: Store> Consumer<S> {
+impl<S: CompletionSignal> Consumer<S> {
     /// A consumer on `engine` (its lease, retention and step policy apply), dead-lettering a
     /// message after 5 failures, retrying after 1 s, then 2 s, 4 s … up to 60 s, and waiting up
     /// to 1 s for a copy of the message in progress elsewhere.
@@ -518,7 +520,10 @@ impl<S: Store> Consumer<S> {
         id: &str,
         operation: &O,
         request: &O::Request,
-    ) -> Decision {
+    ) -> Decision
+    where
+        S: Journal,
+    {
         // Fingerprinted here first, so that a serialisation error from `perform` can only be a
         // stored response this version cannot read (see `unserialisable`).
         let message = match Message::json(scope, operation.name(), id, request) {

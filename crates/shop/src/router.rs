@@ -19,7 +19,7 @@ use axum::{
     routing::{get, post, MethodRouter},
     Router,
 };
-use idempotency::Store;
+use idempotency::CompletionSignal;
 use idempotency_http::IdempotencyLayer;
 use tower_http::catch_panic::CatchPanicLayer;
 
@@ -117,7 +117,7 @@ fn keyed(app: &App, route: KeyedRoute, handler: MethodRouter<App>) -> MethodRout
     }
 }
 
-fn waiting<S: Store>(app: &App, layer: IdempotencyLayer<S>) -> IdempotencyLayer<S> {
+fn waiting<S: CompletionSignal>(app: &App, layer: IdempotencyLayer<S>) -> IdempotencyLayer<S> {
     match app.wait_for_in_flight() {
         Some(bound) => layer.with_wait_for_in_flight(bound),
         None => layer,
