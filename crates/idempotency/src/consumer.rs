@@ -415,7 +415,7 @@ impl<S: CompletionSignal> Consumer<S> {
     }
 
     /// How long a delivery that finds its message in progress elsewhere waits for that copy
-    /// ([`Store::wait_for_completion`]) before it answers [`Decision::RetryLater`] (default
+    /// ([`CompletionSignal::wait_for_completion`]) before it answers [`Decision::RetryLater`] (default
     /// 1 s): when the other copy completes meanwhile, the delivery is acked as a replay at once,
     /// without a trip back through the broker. `Duration::ZERO` answers `RetryLater` at once
     /// (for a transport that can delay a message without holding it).

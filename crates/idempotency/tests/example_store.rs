@@ -1,18 +1,18 @@
-//! The example store (`examples/memory_store.rs`, an in-memory illustration) through the
+//! The example store (`examples/minimal_store.rs`, an illustration) through the
 //! published conformance suite: the ten lines a store written outside this crate needs.
 
 #[allow(dead_code)]
-#[path = "../examples/memory_store.rs"]
-mod memory_store;
+#[path = "../examples/minimal_store.rs"]
+mod minimal_store;
 
 use idempotency::Store;
-use memory_store::MemoryStore;
+use minimal_store::MinimalStore;
 
-async fn fresh() -> Option<MemoryStore> {
-    let store = MemoryStore::new().await.expect("an in-memory database");
+async fn fresh() -> Option<MinimalStore> {
+    let store = MinimalStore::new().await.expect("a throwaway database");
     store.migrate().await.expect("migrate");
     Some(store)
 }
 
-// One connection: an open business transaction holds every other statement back.
+// One writer connection: an open business transaction holds every other write back.
 idempotency::store_conformance!(fresh, [protocol, journal, completion_signal], single_writer);

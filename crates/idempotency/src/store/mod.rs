@@ -370,7 +370,13 @@ pub enum ReservedIn {
 /// of the server; and every update conditional on the lease token. See
 /// `PgStore`, `SqliteStore` and `MySqlStore`,
 /// and the guide `docs/implementing-a-store.md` in the repository (the rules every method
-/// follows, and the conformance suite that proves a new store).
+/// follows, and the conformance suite that proves a new store: `idempotency::testing`, feature
+/// `testing`).
+///
+/// Features beyond the article's protocol are capabilities of their own, which a store
+/// implements only if it offers them: [`Journal`] (durable steps and recovery),
+/// [`ReserveInTransaction`] (the single-transaction mode), [`CompletionSignal`] (waiting for a
+/// duplicate's original) and [`Maintenance`] (the operator's side).
 ///
 /// ```no_run
 /// # #[cfg(feature = "sqlite")]

@@ -1,54 +1,73 @@
 //! **FOR ILLUSTRATION ONLY — NOT A STORE TO RUN IN PRODUCTION.** A minimal [`Store`]: the
-//! whole contract in one file, each method one plain statement, proved by the published
-//! conformance suite (`tests/example_store.rs` runs `store_conformance!` on it).
+//! whole contract in one file, each method one plain conditional statement, proved by the
+//! published conformance suite (`tests/example_store.rs` runs `store_conformance!` on it).
 //!
-//! Its database lives **in memory** (`sqlite::memory:` on a single connection): everything is
-//! lost when the process ends, nothing is shared with another process, and every statement and
-//! business transaction queues for the one connection. Use `SqliteStore`, `PgStore` or
-//! `MySqlStore` for real work.
+//! Its database is a throwaway SQLite file in a temporary directory, deleted when the last clone
+//! of the store is dropped: nothing survives the process, nothing is tuned (no relaxed flushes, no
+//! cancellation guards), and it takes the time from this process's clock, where a store shared by
+//! several processes must use the database's. Use `SqliteStore`, `PgStore` or `MySqlStore` for
+//! real work.
 //!
-//! Why not a `HashMap`? The protocol completes a key **inside the business transaction**
-//! ([`Store::complete`] gets the `sqlx::Transaction`): the completion must commit, or roll back,
-//! with the work's writes. A map beside the database cannot join that transaction, so a store's
-//! key table lives in the database the business writes go to. Here that database is in memory.
+//! Why not keep the keys in a `HashMap`? The protocol completes a key **inside the business
+//! transaction** ([`Store::complete`] gets the `sqlx::Transaction`): the completion must commit,
+//! or roll back, with the work's writes. A map beside the database cannot join that
+//! transaction, so a store's key table lives in the database the business writes go to.
 //!
-//! The clock is this process's (`Utc::now()`): a store shared by several processes must use the
-//! database's clock instead, as the stores of the crate do.
+//! Why not `sqlite::memory:`? Such a database lives in one connection, and the protocol reads a
+//! key while a business transaction is open on it (a duplicate asks while the original works):
+//! on one connection that read would wait for the transaction, which waits for the read. A file
+//! in WAL mode lets the readers ([`Store::find`], [`Store::find_replay`]) go on beside the one
+//! writer connection.
 //!
-//! Run it: `cargo run -p idempotency --example memory_store --features testing`.
+//! Run it: `cargo run -p idempotency --example minimal_store --features testing`.
 
 use idempotency::{
     CompletionSignal, Fingerprint, IdempotencyKey, Insertion, Journal, KeyRecord, KeyState,
     LeaseToken, PendingRow, Progress, Store, StoreError,
 };
 use sqlx::{
-    sqlite::{SqliteConnectOptions, SqlitePoolOptions, SqliteRow},
+    sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteRow},
     Row, Sqlite, SqlitePool, Transaction,
 };
-use std::{str::FromStr, time::Duration};
+use std::{sync::Arc, time::Duration};
 
-/// A store whose key table and business tables live in one in-memory SQLite database.
+/// A store whose key table and business tables live in one throwaway SQLite file.
 /// Illustration only: see the module's documentation.
 #[derive(Debug, Clone)]
-pub struct MemoryStore {
-    /// One connection: every connection to `sqlite::memory:` would open a database of its own.
+pub struct MinimalStore {
+    /// The one connection every write and business transaction runs on (SQLite has one writer).
     pool: SqlitePool,
+    /// Read-only connections for the reads that must not wait for a business transaction.
+    reader: SqlitePool,
+    /// The directory of the file, deleted with the last clone.
+    _directory: Arc<tempfile::TempDir>,
 }
 
-impl MemoryStore {
-    /// A new, empty in-memory database.
-    pub async fn new() -> Result<Self, StoreError> {
+impl MinimalStore {
+    /// A new, empty database in a temporary directory.
+    pub async fn new() -> Result<Self, Box<dyn std::error::Error>> {
+        let directory = tempfile::tempdir()?;
+        let options = SqliteConnectOptions::new()
+            .filename(directory.path().join("keys.db"))
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .busy_timeout(Duration::from_secs(5));
         let pool = SqlitePoolOptions::new()
             .max_connections(1)
-            .min_connections(1)
-            .idle_timeout(None)
-            .max_lifetime(None)
-            .connect_with(SqliteConnectOptions::from_str("sqlite::memory:")?)
+            .connect_with(options.clone())
             .await?;
-        Ok(Self { pool })
+        let reader = SqlitePoolOptions::new()
+            .max_connections(4)
+            .connect_with(options.read_only(true))
+            .await?;
+        Ok(Self {
+            pool,
+            reader,
+            _directory: Arc::new(directory),
+        })
     }
 
-    /// The pool, for the business tables.
+    /// The writer's pool, for the business tables.
     pub fn pool(&self) -> &SqlitePool {
         &self.pool
     }
@@ -143,7 +162,7 @@ fn record(row: &SqliteRow) -> Result<KeyRecord, StoreError> {
     })
 }
 
-impl Store for MemoryStore {
+impl Store for MinimalStore {
     type Database = Sqlite;
 
     async fn migrate(&self) -> Result<(), StoreError> {
@@ -197,7 +216,7 @@ impl Store for MemoryStore {
                 .bind(key.scope())
                 .bind(key.operation())
                 .bind(key.key())
-                .fetch_optional(&self.pool)
+                .fetch_optional(&self.reader)
                 .await?;
         row.as_ref().map(record).transpose()
     }
@@ -216,7 +235,7 @@ impl Store for MemoryStore {
         .bind(key.key())
         .bind(now())
         .bind(fingerprint.as_bytes().as_slice())
-        .fetch_optional(&self.pool)
+        .fetch_optional(&self.reader)
         .await?;
         Ok(result.map(Option::unwrap_or_default))
     }
@@ -331,7 +350,7 @@ impl Store for MemoryStore {
 }
 
 /// Durable steps: two more conditional statements.
-impl Journal for MemoryStore {
+impl Journal for MinimalStore {
     async fn save_progress(
         &self,
         tx: &mut Transaction<'static, Sqlite>,
@@ -363,13 +382,13 @@ impl Journal for MemoryStore {
 }
 
 /// Waiting for a duplicate's original: the provided polling of `find`.
-impl CompletionSignal for MemoryStore {}
+impl CompletionSignal for MinimalStore {}
 
 /// A purchase run twice under one key: executed once, replayed once.
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     use idempotency::{Attempt, Idempotency};
-    let store = MemoryStore::new().await?;
+    let store = MinimalStore::new().await?;
     store.migrate().await?;
     sqlx::query("CREATE TABLE orders (sku TEXT NOT NULL)")
         .execute(store.pool())
