@@ -52,9 +52,11 @@ async fn sqlite_reserves_on_its_own_commit() {
         #[allow(dead_code)]
         const OFFERED: bool = true;
     }
-    assert!(!Probe::<SqliteStore>::OFFERED);
-    assert!(Probe::<PgStore>::OFFERED);
-    assert!(Probe::<MySqlStore>::OFFERED);
+    const {
+        assert!(!Probe::<SqliteStore>::OFFERED);
+        assert!(Probe::<PgStore>::OFFERED);
+        assert!(Probe::<MySqlStore>::OFFERED);
+    }
     let store = SqliteStore::connect("sqlite::memory:").await.unwrap();
     store.migrate().await.unwrap();
     let a = attempt("u", "k", json!({}));
