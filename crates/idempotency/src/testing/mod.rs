@@ -6,7 +6,7 @@
 //!
 //! | suite | the store implements | what it proves |
 //! |---|---|---|
-//! | `protocol` | [`Store`] | the article's protocol through [`Idempotency`](crate::Idempotency): replays, reused keys, releases after failures, panics and cancellations, takeover and fencing, the heartbeat, the replay read, racing duplicates executing once |
+//! | `protocol` | [`Store`] | the article's protocol through [`Idempotency`]: replays, reused keys, releases after failures, panics and cancellations, takeover and fencing, the heartbeat, the replay read, racing duplicates executing once |
 //! | `journal` | [`Journal`](crate::Journal) | the statements of durable steps and recovery, fenced by the lease token |
 //! | `reserve_in_transaction` | [`ReserveInTransaction`](crate::ReserveInTransaction) | the single-transaction mode |
 //! | `completion_signal` | [`CompletionSignal`](crate::CompletionSignal) | waiting for a pending key to settle |
