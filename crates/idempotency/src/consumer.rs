@@ -326,8 +326,8 @@ pub enum FailureKind {
 /// Brokers do not agree on a delivery count (a RabbitMQ classic queue only says *redelivered*,
 /// Kafka says nothing), so the consumer counts failed attempts itself, in the key table, with the
 /// [`Store`](crate::Store) methods alone: the `n`-th failure of a message completes a **failure
-/// record**, a row whose key is the message's with the operation `"{message type}#failure-{n}"` and whose stored
-/// result holds the error. A failed message's own key is released (a redelivery must be able to
+/// record**, a row whose key is the message's with the operation `"{message type}#failure-{n}"`
+/// and whose stored result holds the error. A failed message's own key is released (a redelivery must be able to
 /// run it again), so its row cannot hold the count. The records are inserted under the key
 /// table's unique constraint, so copies failing at the same time count twice, never once; they
 /// expire and are purged with the keys (retention, default 24 h). A message re-driven from a
