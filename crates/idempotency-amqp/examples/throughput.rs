@@ -86,7 +86,7 @@ impl Options {
 }
 
 /// The business table and its insert, per database.
-trait Sink: Store {
+trait Sink: Store + idempotency::CompletionSignal {
     const NAME: &'static str;
     fn insert<'t>(
         tx: &'t mut sqlx::Transaction<'static, Self::Database>,

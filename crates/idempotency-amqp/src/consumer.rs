@@ -8,7 +8,7 @@ use crate::{
     topology::{text, Topology},
 };
 use futures_util::{FutureExt, StreamExt};
-use idempotency::{Consumer, DeadLetter, Decision, Store};
+use idempotency::{CompletionSignal, Consumer, DeadLetter, Decision};
 use lapin::{
     message::Delivery,
     options::{
@@ -67,14 +67,14 @@ const DRAIN_WAIT: Duration = Duration::from_secs(5);
 ///         .await
 /// }
 /// ```
-pub trait Handler<S: Store>: Send + Sync + 'static {
+pub trait Handler<S: CompletionSignal>: Send + Sync + 'static {
     /// Decides one delivery.
     fn handle(&self, incoming: Incoming<S>) -> impl Future<Output = Decision> + Send;
 }
 
 impl<S, F, Fut> Handler<S> for F
 where
-    S: Store,
+    S: CompletionSignal,
     F: Fn(Incoming<S>) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = Decision> + Send,
 {
@@ -120,7 +120,7 @@ impl<S, H> std::fmt::Debug for AmqpConsumer<S, H> {
     }
 }
 
-impl<S: Store, H: Handler<S>> AmqpConsumer<S, H> {
+impl<S: CompletionSignal, H: Handler<S>> AmqpConsumer<S, H> {
     /// A consumer of `queue` on `channel`: prefetch 32, 8 deliveries in flight, the queue's name
     /// as the keys' scope, requeue holds of at most 10 s, and no dead-letter exchange (dead
     /// letters are rejected; see [`for_topology`](Self::for_topology)).
@@ -304,7 +304,7 @@ struct Run<S, H> {
     report: ConsumerReport,
 }
 
-impl<S: Store, H: Handler<S>> Run<S, H> {
+impl<S: CompletionSignal, H: Handler<S>> Run<S, H> {
     /// Takes deliveries, each in a task of its own once a slot is free, until `shutdown`
     /// completes (`None`) or the deliveries stop: the error that stopped them.
     async fn consume<F: Future<Output = ()>>(
@@ -437,7 +437,7 @@ struct Settler {
 impl Settler {
     /// One delivery: its message, the handler's decision, and the settlement, in a span that
     /// names the message and says whether the broker redelivered it.
-    async fn process<S: Store, H: Handler<S>>(
+    async fn process<S: CompletionSignal, H: Handler<S>>(
         &self,
         consumer: &Consumer<S>,
         handler: &H,

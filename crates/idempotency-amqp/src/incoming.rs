@@ -2,7 +2,9 @@
 //! the [`Consumer`] that runs its work once.
 
 use futures_util::future::BoxFuture;
-use idempotency::{Consumer, Decision, FailureKind, InvalidMessage, Message, Operation, Store};
+use idempotency::{
+    CompletionSignal, Consumer, Decision, FailureKind, InvalidMessage, Journal, Message, Operation,
+};
 use lapin::BasicProperties;
 use serde::{de::DeserializeOwned, Serialize};
 use std::fmt;
@@ -36,7 +38,7 @@ impl<S> fmt::Debug for Incoming<S> {
     }
 }
 
-impl<S: Store> Incoming<S> {
+impl<S: CompletionSignal> Incoming<S> {
     /// The message's identity: its idempotency key and payload fingerprint.
     pub fn message(&self) -> &Message {
         &self.message
@@ -106,7 +108,10 @@ impl<S: Store> Incoming<S> {
 
     /// Runs the durable operation `operation` for `request` under this message's scope and id
     /// ([`Consumer::perform`]; the key's operation is the operation's name).
-    pub async fn perform<O: Operation<S>>(&self, operation: &O, request: &O::Request) -> Decision {
+    pub async fn perform<O: Operation<S>>(&self, operation: &O, request: &O::Request) -> Decision
+    where
+        S: Journal,
+    {
         let key = self.message.key();
         self.consumer
             .perform(key.scope(), key.key(), operation, request)

@@ -20,7 +20,8 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, CommandFactory, Parser, Subcommand, ValueEnum};
 use db::{AnyStore, DatabaseUrl};
 use idempotency::{
-    IdempotencyKey, KeyFilter, KeyState, Maintenance, Purge, Recovery, RecoveryReport, Resolution,
+    IdempotencyKey, Journal, KeyFilter, KeyState, Maintenance, Purge, Recovery, RecoveryReport,
+    Resolution,
 };
 use indicatif::{ProgressBar, ProgressStyle};
 use std::{io::IsTerminal, path::PathBuf, process::ExitCode, time::Duration};
@@ -281,7 +282,7 @@ async fn dispatch(store: &AnyStore, command: Command) -> Result<()> {
     with_store!(store, s => execute(s, command).await)
 }
 
-async fn execute<S: Maintenance>(store: &S, command: Command) -> Result<()> {
+async fn execute<S: Maintenance + Journal>(store: &S, command: Command) -> Result<()> {
     match command {
         Command::Migrate => {
             store.migrate().await.context("migration failed")?;
@@ -373,7 +374,7 @@ async fn resolve<S: Maintenance>(store: &S, args: ResolveArgs) -> Result<()> {
     Ok(())
 }
 
-async fn recover<S: Maintenance>(store: &S, args: RecoverArgs) -> Result<()> {
+async fn recover<S: Maintenance + Journal>(store: &S, args: RecoverArgs) -> Result<()> {
     let recovery = Recovery::new(store.clone())
         .with_max_attempts(args.max_attempts)
         .with_batch(args.batch);

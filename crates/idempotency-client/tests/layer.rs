@@ -3,7 +3,7 @@
 //! 422 key-reused.
 
 use axum::{http::StatusCode, response::IntoResponse, routing::post, Json, Router};
-use idempotency::{Idempotency, MySqlStore, PgStore, SqliteStore, Store};
+use idempotency::{CompletionSignal, Idempotency, MySqlStore, PgStore, SqliteStore};
 use idempotency_client::{
     IdempotencyError, IdempotencyMiddleware, Outcome, RequestKey, RetryPolicy,
 };
@@ -34,7 +34,7 @@ impl Drop for App {
     }
 }
 
-async fn app_on<S: Store>(
+async fn app_on<S: CompletionSignal>(
     store: S,
     delay: Duration,
     fail_first: usize,

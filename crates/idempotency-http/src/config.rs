@@ -5,7 +5,7 @@
 use crate::in_flight::{Estimates, Waiters};
 use http::{request::Parts, HeaderName, Method, StatusCode};
 use idempotency::{Disposition, Effects, Idempotency};
-use std::{sync::Arc, time::Duration};
+use std::sync::Arc;
 
 /// Default largest request body read for fingerprinting: 1 MiB.
 ///
@@ -117,7 +117,7 @@ pub(crate) struct Config<S> {
     /// [`DEFAULT_PROBLEM_BASE`](idempotency_wire::DEFAULT_PROBLEM_BASE)).
     pub(crate) problem_base: Arc<str>,
     pub(crate) detach: bool,
-    pub(crate) wait_for_in_flight: Option<Duration>,
+    pub(crate) wait_for_in_flight: Option<crate::in_flight::InFlightWait<S>>,
 }
 
 /// What the services of one layer learn and share while they run.

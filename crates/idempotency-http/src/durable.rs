@@ -8,7 +8,7 @@
 
 use crate::{error::IdempotencyRejection, IdempotencyLayer, KeyLease, Problem, StoredResponse};
 use axum::response::{IntoResponse, Response};
-use idempotency::{Effects, Idempotency, Operation, Operations, PerformError, Store};
+use idempotency::{Effects, Idempotency, Journal, Operation, Operations, PerformError, Store};
 use idempotency_wire::{ProblemType, DEFAULT_PROBLEM_BASE};
 use std::{sync::Arc, time::Duration};
 
@@ -114,7 +114,7 @@ impl UnregisteredOperation {
 
 impl<S, O> DurableRoute<S, O>
 where
-    S: Store,
+    S: Journal,
     O: Operation<S, Response = StoredResponse>,
 {
     /// The route of the operation registered in `operations` under `name`; an error if there is

@@ -10,9 +10,9 @@
 //! * at once when the original runs in this process behind the same layer: the layer wakes the
 //!   key's waiters as soon as it has completed (or released, or parked) a key;
 //! * from another process, on PostgreSQL, by the `NOTIFY` that layer sends after its commit
-//!   ([`Store::notify_settled`]), received by one `LISTEN` connection per store, with a read
+//!   ([`CompletionSignal::notify_settled`]), received by one `LISTEN` connection per store, with a read
 //!   every 100 ms as a safety net;
-//! * otherwise by polling ([`Store::wait_for_completion`]: 1 ms, doubling to 25 ms).
+//! * otherwise by polling ([`CompletionSignal::wait_for_completion`]: 1 ms, doubling to 25 ms).
 //!
 //! Only layers with a wait bound announce their completions (so a deployment without waiting
 //! pays nothing); give every instance that shares a database the same setting, or the waiters of
@@ -41,7 +41,11 @@
 //! is the engine's hint. A double click on a 5 ms transfer is thus told to come back in about 5–10 ms,
 //! not in a second.
 
-use idempotency::{Attempt, Awaited, Error, Idempotency, IdempotencyKey, Reservation, Store};
+use futures_util::future::BoxFuture;
+use idempotency::{
+    Attempt, Awaited, CompletionSignal, Error, Fingerprint, Idempotency, IdempotencyKey,
+    Reservation, Store, StoreError,
+};
 use std::{
     collections::HashMap,
     sync::{Arc, Mutex},
@@ -72,17 +76,92 @@ fn count(operation: &str, result: &'static str) {
         .increment(1);
 }
 
-/// Reserves the key; when it is in progress and `wait` is set, waits (at most `wait` in all) for
-/// it to change and decides again.
+/// A layer's wait for requests in flight: its bound, and the store's [`CompletionSignal`]
+/// captured where the wait was turned on, so that the layer needs only [`Store`].
+pub(crate) struct InFlightWait<S> {
+    pub(crate) bound: Duration,
+    signal: Arc<dyn Signal<S>>,
+}
+
+impl<S: CompletionSignal> InFlightWait<S> {
+    /// The wait of a layer on a store that can signal completions.
+    pub(crate) fn new(bound: Duration) -> Self {
+        Self {
+            bound,
+            signal: Arc::new(Captured),
+        }
+    }
+}
+
+impl<S> Clone for InFlightWait<S> {
+    fn clone(&self) -> Self {
+        Self {
+            bound: self.bound,
+            signal: self.signal.clone(),
+        }
+    }
+}
+
+impl<S> std::fmt::Debug for InFlightWait<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.bound.fmt(f)
+    }
+}
+
+/// [`CompletionSignal`], callable where only `S: Store` is known.
+trait Signal<S>: Send + Sync {
+    fn wait_for_completion<'a>(
+        &self,
+        store: &'a S,
+        key: &'a IdempotencyKey,
+        fingerprint: &'a Fingerprint,
+        timeout: Duration,
+    ) -> BoxFuture<'a, Result<Awaited, StoreError>>;
+
+    fn notify_settled<'a>(
+        &self,
+        store: &'a S,
+        key: &'a IdempotencyKey,
+    ) -> BoxFuture<'a, Result<(), StoreError>>;
+}
+
+/// The signal of a store that has one.
+struct Captured;
+
+impl<S: CompletionSignal> Signal<S> for Captured {
+    fn wait_for_completion<'a>(
+        &self,
+        store: &'a S,
+        key: &'a IdempotencyKey,
+        fingerprint: &'a Fingerprint,
+        timeout: Duration,
+    ) -> BoxFuture<'a, Result<Awaited, StoreError>> {
+        Box::pin(store.wait_for_completion(key, fingerprint, timeout))
+    }
+
+    fn notify_settled<'a>(
+        &self,
+        store: &'a S,
+        key: &'a IdempotencyKey,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(store.notify_settled(key))
+    }
+}
+
+/// Reserves the key; when it is in progress and `wait` is set, waits (at most its bound in all)
+/// for it to change and decides again.
 pub(crate) async fn reserve<S: Store>(
     engine: &Idempotency<S>,
     attempt: &Attempt,
-    wait: Option<Duration>,
+    wait: Option<&InFlightWait<S>>,
     waiters: &Waiters,
     operation: &str,
 ) -> Result<Reservation<S>, Error> {
     let reserved = engine.reserve(attempt).await;
-    let Some(bound) = wait.filter(|bound| !bound.is_zero()) else {
+    let Some((bound, signal)) = wait
+        .filter(|wait| !wait.bound.is_zero())
+        .map(|wait| (wait.bound, &wait.signal))
+    else {
         return reserved;
     };
     if !matches!(reserved, Err(Error::InProgress { .. })) {
@@ -108,7 +187,7 @@ pub(crate) async fn reserve<S: Store>(
         woken.as_mut().enable();
         let waited = tokio::time::timeout(left, async {
             tokio::select! {
-                awaited = store.wait_for_completion(attempt.key(), attempt.fingerprint(), left) => awaited,
+                awaited = signal.wait_for_completion(store, attempt.key(), attempt.fingerprint(), left) => awaited,
                 _ = woken => Ok(Awaited::Settled),
             }
         })
@@ -142,13 +221,18 @@ pub(crate) async fn reserve<S: Store>(
 
 /// Tells the waiters of `key` that the layer is done with it (completed, released or parked):
 /// those of this process at once, those of other processes through
-/// [`Store::notify_settled`], sent in the background.
-pub(crate) fn announce<S: Store>(store: &S, waiters: &Waiters, key: IdempotencyKey) {
+/// [`CompletionSignal::notify_settled`], sent in the background.
+pub(crate) fn announce<S: Store>(
+    store: &S,
+    wait: &InFlightWait<S>,
+    waiters: &Waiters,
+    key: IdempotencyKey,
+) {
     waiters.wake(&key);
     if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-        let store = store.clone();
+        let (store, signal) = (store.clone(), wait.signal.clone());
         runtime.spawn(async move {
-            if let Err(error) = store.notify_settled(&key).await {
+            if let Err(error) = signal.notify_settled(&store, &key).await {
                 tracing::debug!(%error, "could not notify the waiters of other processes; they poll");
             }
         });

@@ -420,8 +420,12 @@ impl<S: Store> IdempotencyLayer<S> {
     /// let layer = layer.with_wait_for_in_flight(std::time::Duration::from_secs(2));
     /// # });
     /// ```
-    pub fn with_wait_for_in_flight(mut self, bound: Duration) -> Self {
-        self.config.wait_for_in_flight = (!bound.is_zero()).then_some(bound);
+    pub fn with_wait_for_in_flight(mut self, bound: Duration) -> Self
+    where
+        S: idempotency::CompletionSignal,
+    {
+        self.config.wait_for_in_flight =
+            (!bound.is_zero()).then(|| crate::in_flight::InFlightWait::new(bound));
         self
     }
 

@@ -7,7 +7,9 @@ use crate::{
     key::{InvalidKey, MAX_PART_LEN},
     operation::Operation,
     protocol::{Attempt, Idempotency},
-    store::{Awaited, Effects, Insertion, KeyState, LeaseToken, PendingRow, Store},
+    store::{
+        Awaited, CompletionSignal, Effects, Insertion, Journal, KeyState, LeaseToken, PendingRow,
+    },
     Fingerprint, IdempotencyKey,
 };
 use futures_util::{future::BoxFuture, FutureExt};
@@ -323,9 +325,9 @@ pub enum FailureKind {
 ///
 /// Brokers do not agree on a delivery count (a RabbitMQ classic queue only says *redelivered*,
 /// Kafka says nothing), so the consumer counts failed attempts itself, in the key table, with the
-/// [`Store`] methods alone: the `n`-th failure of a message completes a **failure record**, a row
-/// whose key is the message's with the operation `"{message type}#failure-{n}"` and whose stored
-/// result holds the error. A failed message's own key is released (a redelivery must be able to
+/// [`Store`](crate::Store) methods alone: the `n`-th failure of a message completes a **failure
+/// record**, a row whose key is the message's with the operation `"{message type}#failure-{n}"`
+/// and whose stored result holds the error. A failed message's own key is released (a redelivery must be able to
 /// run it again), so its row cannot hold the count. The records are inserted under the key
 /// table's unique constraint, so copies failing at the same time count twice, never once; they
 /// expire and are purged with the keys (retention, default 24 h). A message re-driven from a
@@ -378,7 +380,7 @@ pub struct Consumer<S> {
     in_progress_wait: Duration,
 }
 
-impl<S: Store> Consumer<S> {
+impl<S: CompletionSignal> Consumer<S> {
     /// A consumer on `engine` (its lease, retention and step policy apply), dead-lettering a
     /// message after 5 failures, retrying after 1 s, then 2 s, 4 s … up to 60 s, and waiting up
     /// to 1 s for a copy of the message in progress elsewhere.
@@ -413,7 +415,7 @@ impl<S: Store> Consumer<S> {
     }
 
     /// How long a delivery that finds its message in progress elsewhere waits for that copy
-    /// ([`Store::wait_for_completion`]) before it answers [`Decision::RetryLater`] (default
+    /// ([`CompletionSignal::wait_for_completion`]) before it answers [`Decision::RetryLater`] (default
     /// 1 s): when the other copy completes meanwhile, the delivery is acked as a replay at once,
     /// without a trip back through the broker. `Duration::ZERO` answers `RetryLater` at once
     /// (for a transport that can delay a message without holding it).
@@ -518,7 +520,10 @@ impl<S: Store> Consumer<S> {
         id: &str,
         operation: &O,
         request: &O::Request,
-    ) -> Decision {
+    ) -> Decision
+    where
+        S: Journal,
+    {
         // Fingerprinted here first, so that a serialisation error from `perform` can only be a
         // stored response this version cannot read (see `unserialisable`).
         let message = match Message::json(scope, operation.name(), id, request) {

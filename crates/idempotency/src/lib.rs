@@ -18,6 +18,9 @@ mod replay_cache;
 mod retention;
 mod steps;
 mod store;
+#[cfg(feature = "testing")]
+#[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
+pub mod testing;
 mod worker;
 
 pub use consumer::{
@@ -48,7 +51,8 @@ pub use store::postgres::{completion_payload, PgStore, COMPLETION_CHANNEL, NOTIF
 #[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
 pub use store::sqlite::SqliteStore;
 pub use store::{
-    Awaited, Effects, Insertion, KeyFilter, KeyRecord, KeyState, KeyStats, LeaseToken, Maintenance,
-    PendingRow, Progress, ReservedIn, Resolution, StateCount, Store, POLL_FIRST, POLL_MAX,
+    Awaited, CompletionSignal, Effects, Insertion, Journal, KeyFilter, KeyRecord, KeyState,
+    KeyStats, LeaseToken, Maintenance, PendingRow, Progress, ReserveInTransaction, ReservedIn,
+    Resolution, StateCount, Store, POLL_FIRST, POLL_MAX,
 };
 pub use worker::{MaintenanceWorker, WorkerHandle, WorkerReport};

@@ -5,7 +5,7 @@ use crate::{
     lease::Lease,
     protocol::{Attempt, Idempotency, Reservation},
     steps::{Finished, Settlement, Steps},
-    store::{Effects, KeyRecord, Store},
+    store::{Effects, Journal, KeyRecord},
     Fingerprint, IdempotencyKey, Outcome,
 };
 use futures_util::{future::BoxFuture, FutureExt};
@@ -69,7 +69,7 @@ use std::{any::Any, collections::HashMap, future::Future, panic::AssertUnwindSaf
 /// }
 /// # }
 /// ```
-pub trait Operation<S: Store>: Send + Sync + 'static {
+pub trait Operation<S: Journal>: Send + Sync + 'static {
     /// What the client asks for; stored with the key (canonical JSON) so the operation can be
     /// resumed without the client.
     type Request: Serialize + DeserializeOwned + Send + Sync;
@@ -88,7 +88,7 @@ pub trait Operation<S: Store>: Send + Sync + 'static {
 }
 
 /// An operation behind a name, with its request decoded from the stored bytes.
-trait Resumable<S: Store>: Send + Sync {
+trait Resumable<S: Journal>: Send + Sync {
     fn resume<'a>(
         &'a self,
         engine: &'a Idempotency<S>,
@@ -97,7 +97,7 @@ trait Resumable<S: Store>: Send + Sync {
     ) -> BoxFuture<'a, Result<Settlement, PerformError>>;
 }
 
-impl<S: Store, O: Operation<S>> Resumable<S> for O {
+impl<S: Journal, O: Operation<S>> Resumable<S> for O {
     fn resume<'a>(
         &'a self,
         engine: &'a Idempotency<S>,
@@ -135,18 +135,18 @@ impl<S: Store, O: Operation<S>> Resumable<S> for O {
 /// assert!(!registry.contains("purchase"));
 /// # }
 /// ```
-pub struct Operations<S: Store> {
+pub struct Operations<S: Journal> {
     by_name: HashMap<String, Registered<S>>,
 }
 
 /// One registered operation: as the resumer runs it (its request decoded from stored bytes),
 /// and as registered, for a route that takes it back by name with its type ([`Operations::get`]).
-struct Registered<S: Store> {
+struct Registered<S: Journal> {
     resumable: Arc<dyn Resumable<S>>,
     typed: Arc<dyn Any + Send + Sync>,
 }
 
-impl<S: Store> Clone for Registered<S> {
+impl<S: Journal> Clone for Registered<S> {
     fn clone(&self) -> Self {
         Self {
             resumable: self.resumable.clone(),
@@ -155,7 +155,7 @@ impl<S: Store> Clone for Registered<S> {
     }
 }
 
-impl<S: Store> Clone for Operations<S> {
+impl<S: Journal> Clone for Operations<S> {
     fn clone(&self) -> Self {
         Self {
             by_name: self.by_name.clone(),
@@ -163,7 +163,7 @@ impl<S: Store> Clone for Operations<S> {
     }
 }
 
-impl<S: Store> Default for Operations<S> {
+impl<S: Journal> Default for Operations<S> {
     fn default() -> Self {
         Self {
             by_name: HashMap::new(),
@@ -171,7 +171,7 @@ impl<S: Store> Default for Operations<S> {
     }
 }
 
-impl<S: Store> std::fmt::Debug for Operations<S> {
+impl<S: Journal> std::fmt::Debug for Operations<S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let mut names: Vec<&String> = self.by_name.keys().collect();
         names.sort();
@@ -179,7 +179,7 @@ impl<S: Store> std::fmt::Debug for Operations<S> {
     }
 }
 
-impl<S: Store> Operations<S> {
+impl<S: Journal> Operations<S> {
     /// An empty registry.
     pub fn new() -> Self {
         Self::default()
@@ -281,7 +281,7 @@ pub(crate) enum Resumed {
     Stopped(PerformError),
 }
 
-impl<S: Store> Idempotency<S> {
+impl<S: Journal> Idempotency<S> {
     /// Runs the durable operation `operation` for `request` at most once per
     /// `(scope, operation.name(), client_key)`: reserve (a key whose holder went away is taken
     /// over and continued from its recovery point), then [`Operation::run`] with its [`Steps`].

@@ -10,7 +10,10 @@ use crate::{
     recent_replays::RecentReplays,
     replay_cache::ReplayCache,
     steps::StepPolicy,
-    store::{Effects, Insertion, KeyRecord, KeyState, LeaseToken, PendingRow, ReservedIn, Store},
+    store::{
+        Effects, Insertion, KeyRecord, KeyState, LeaseToken, PendingRow, ReserveInTransaction,
+        ReservedIn, Store,
+    },
     Fingerprint, IdempotencyKey, Outcome,
 };
 use futures_util::{future::BoxFuture, FutureExt};
@@ -219,9 +222,65 @@ pub struct Idempotency<S> {
     heartbeat: bool,
     /// Results this process completed, for replays without a round trip (opt-in).
     replay_cache: Option<Arc<ReplayCache>>,
-    /// `Some(wait)`: local work reserves inside its business transaction, and a duplicate
-    /// waits up to `wait` for it (opt-in).
-    single_transaction: Option<Duration>,
+    /// `Some`: local work reserves inside its business transaction, and a duplicate waits for
+    /// it (opt-in).
+    single_transaction: Option<SingleTransaction<S>>,
+}
+
+/// The single-transaction mode as an engine holds it: how long a duplicate waits, and the
+/// store's [`ReserveInTransaction`] captured where the mode was turned on, so that the engine
+/// (and the code generic over it) needs only [`Store`].
+struct SingleTransaction<S> {
+    wait: Duration,
+    reserve: Arc<dyn ReservesInTransaction<S>>,
+}
+
+impl<S> Clone for SingleTransaction<S> {
+    fn clone(&self) -> Self {
+        Self {
+            wait: self.wait,
+            reserve: self.reserve.clone(),
+        }
+    }
+}
+
+impl<S> std::fmt::Debug for SingleTransaction<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SingleTransaction")
+            .field("wait", &self.wait)
+            .finish_non_exhaustive()
+    }
+}
+
+/// [`ReserveInTransaction::reserve_in`], callable where only `S: Store` is known.
+trait ReservesInTransaction<S>: Send + Sync {
+    fn reserve_in<'a>(
+        &self,
+        store: &'a S,
+        tx: &'a mut sqlx::Transaction<'static, S::Database>,
+        row: &'a PendingRow<'a>,
+        wait: Duration,
+    ) -> BoxFuture<'a, Result<ReservedIn, StoreError>>
+    where
+        S: Store;
+}
+
+/// The capability of a store that has it.
+struct Captured;
+
+impl<S: ReserveInTransaction> ReservesInTransaction<S> for Captured {
+    fn reserve_in<'a>(
+        &self,
+        store: &'a S,
+        tx: &'a mut sqlx::Transaction<'static, S::Database>,
+        row: &'a PendingRow<'a>,
+        wait: Duration,
+    ) -> BoxFuture<'a, Result<ReservedIn, StoreError>>
+    where
+        S: Store,
+    {
+        Box::pin(store.reserve_in(tx, row, wait))
+    }
 }
 
 impl<S: Store> Idempotency<S> {
@@ -337,8 +396,8 @@ impl<S: Store> Idempotency<S> {
     /// It applies only to [`Effects::Local`] work that is not journaled: work with an outside
     /// effect always reserves on its own commit first, since a reservation nobody sees could
     /// not be found by the recovery job after a crash. It needs a store whose database queues
-    /// duplicate INSERTs on the unique index ([`Store::reserves_in_transaction`]: PostgreSQL,
-    /// MySQL and MariaDB); SQLite reserves the article's way.
+    /// duplicate INSERTs on the unique index ([`ReserveInTransaction`]: PostgreSQL, MySQL and
+    /// MariaDB); SQLite, which does not offer it, reserves the article's way.
     ///
     /// ```no_run
     /// # async fn demo() -> Result<(), idempotency::StoreError> {
@@ -348,32 +407,39 @@ impl<S: Store> Idempotency<S> {
     /// let idem = Idempotency::new(store).with_single_transaction(Duration::from_secs(5));
     /// # Ok(()) }
     /// ```
-    pub fn with_single_transaction(mut self, wait: Duration) -> Self {
-        self.single_transaction = Some(wait);
+    pub fn with_single_transaction(mut self, wait: Duration) -> Self
+    where
+        S: ReserveInTransaction,
+    {
+        self.single_transaction = Some(SingleTransaction {
+            wait,
+            reserve: Arc::new(Captured),
+        });
         self
     }
 
     /// How long a duplicate waits for `attempt`'s holder in the single-transaction mode, if
     /// that mode applies to it ([`with_single_transaction`](Self::with_single_transaction)):
-    /// turned on, local work, not journaled, and a store that supports it.
+    /// turned on, local work, not journaled.
     ///
     /// ```
-    /// # #[cfg(feature = "sqlite")]
-    /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
-    /// use idempotency::{Attempt, Fingerprint, IdempotencyKey, Idempotency, SqliteStore};
+    /// # #[cfg(feature = "postgres")]
+    /// # fn demo() -> Result<(), Box<dyn std::error::Error>> {
+    /// use idempotency::{Attempt, Effects, Fingerprint, IdempotencyKey, Idempotency, PgStore};
     /// use std::time::Duration;
-    /// let store = SqliteStore::connect("sqlite::memory:").await?;
-    /// let idem = Idempotency::new(store).with_single_transaction(Duration::from_secs(5));
+    /// let pool = sqlx::postgres::PgPoolOptions::new().connect_lazy("postgres://shop@127.0.0.1/shop")?;
+    /// let idem = Idempotency::new(PgStore::new(pool)).with_single_transaction(Duration::from_secs(5));
     /// let attempt = Attempt::new(IdempotencyKey::new("u", "op", "k")?, Fingerprint::of_bytes(b""));
-    /// // SQLite reserves on its own commit.
-    /// assert_eq!(idem.single_transaction_wait(&attempt), None);
+    /// assert_eq!(idem.single_transaction_wait(&attempt), Some(Duration::from_secs(5)));
+    /// // Work with an outside effect reserves on its own commit.
+    /// let external = attempt.with_effects(Effects::External);
+    /// assert_eq!(idem.single_transaction_wait(&external), None);
     /// # Ok(()) }
     /// ```
     pub fn single_transaction_wait(&self, attempt: &Attempt) -> Option<Duration> {
-        let applies = attempt.effects == Effects::Local
-            && !attempt.journaled
-            && self.store.reserves_in_transaction();
-        self.single_transaction.filter(|_| applies)
+        let applies = attempt.effects == Effects::Local && !attempt.journaled;
+        let mode = self.single_transaction.as_ref()?;
+        applies.then_some(mode.wait)
     }
 
     /// The result of a completed key cached by [`with_replay_cache`](Self::with_replay_cache),
@@ -525,12 +591,18 @@ impl<S: Store> Idempotency<S> {
         attempt: &Attempt,
         wait: Duration,
     ) -> Result<Option<Begun<S>>, Error> {
+        let Some(mode) = &self.single_transaction else {
+            return Ok(None);
+        };
         if let Some(result) = self.replay_before_insert(attempt).await? {
             return Ok(Some(Begun::Completed(result)));
         }
         let mut tx = self.store.begin().await?;
         let row = self.pending_row(attempt);
-        let reserved = self.store.reserve_in(&mut tx, &row, wait).await;
+        let reserved = mode
+            .reserve
+            .reserve_in(&self.store, &mut tx, &row, wait)
+            .await;
         if let Ok(ReservedIn::Inserted) = reserved {
             self.recent_replays.observe(false);
             let lease = self.lease_for(&row, true);

@@ -5,7 +5,7 @@ use crate::{
     operation::{Operations, Resumed},
     protocol::Idempotency,
     steps::Settlement,
-    store::{Effects, KeyRecord, KeyState, LeaseToken, Maintenance, Resolution},
+    store::{Effects, Journal, KeyRecord, KeyState, LeaseToken, Maintenance, Resolution},
     IdempotencyKey,
 };
 use futures_util::{stream::FuturesUnordered, FutureExt, StreamExt};
@@ -194,7 +194,7 @@ impl fmt::Display for RecoveryReport {
 /// # Ok(()) }
 /// ```
 #[derive(Debug, Clone)]
-pub struct Recovery<S: Maintenance, R = NoResolver> {
+pub struct Recovery<S: Maintenance + Journal, R = NoResolver> {
     store: S,
     resolver: Option<R>,
     operations: Option<(Idempotency<S>, Operations<S>)>,
@@ -207,7 +207,7 @@ pub struct Recovery<S: Maintenance, R = NoResolver> {
     concurrency: usize,
 }
 
-impl<S: Maintenance> Recovery<S, NoResolver> {
+impl<S: Maintenance + Journal> Recovery<S, NoResolver> {
     /// A job without resolver (external keys are parked), 5 attempts, batches of 100 keys, a
     /// 60 s claim, a 30 s resolver timeout, asking again on the next pass, results kept 24 h.
     pub fn new(store: S) -> Self {
@@ -242,7 +242,7 @@ impl<S: Maintenance> Recovery<S, NoResolver> {
     }
 }
 
-impl<S: Maintenance, R: Resolver> Recovery<S, R> {
+impl<S: Maintenance + Journal, R: Resolver> Recovery<S, R> {
     /// How many "unknown" answers a key may get before it is parked (at least 1).
     pub fn with_max_attempts(mut self, attempts: u32) -> Self {
         self.max_attempts = attempts.max(1);

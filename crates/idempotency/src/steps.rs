@@ -4,7 +4,7 @@ use crate::{
     error::{BoxError, PerformError, StepError},
     fingerprint::canonical_json,
     lease::Lease,
-    store::{KeyRecord, Progress, Store},
+    store::{Journal as JournalStore, KeyRecord, Progress, Store},
     IdempotencyKey,
 };
 use futures_util::future::BoxFuture;
@@ -241,7 +241,7 @@ struct Journal {
 /// The request is stored with the key (canonical JSON, at most [`MAX_STORED_REQUEST`] bytes) by the
 /// first step that writes, and cleared when the key completes. A pending key without a stored
 /// request has therefore made no outside call, and may be released.
-pub struct Steps<S: Store> {
+pub struct Steps<S: JournalStore> {
     lease: Lease<S>,
     policy: StepPolicy,
     retention: Duration,
@@ -254,7 +254,7 @@ pub struct Steps<S: Store> {
     settled: bool,
 }
 
-impl<S: Store> std::fmt::Debug for Steps<S> {
+impl<S: JournalStore> std::fmt::Debug for Steps<S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Steps")
             .field("key", self.lease.key())
@@ -264,7 +264,7 @@ impl<S: Store> std::fmt::Debug for Steps<S> {
     }
 }
 
-impl<S: Store> Steps<S> {
+impl<S: JournalStore> Steps<S> {
     /// Steps under `lease` for `request`; a lease that resumed a key brings its journal.
     pub(crate) fn new<Q: Serialize>(
         lease: Lease<S>,

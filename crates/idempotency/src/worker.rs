@@ -4,7 +4,7 @@ use crate::{
     operation::Operations,
     protocol::Idempotency,
     recovery::{NoResolver, Recovery, RecoveryReport, Resolver},
-    store::Maintenance,
+    store::{Journal, Maintenance},
 };
 use std::{fmt, time::Duration};
 use tokio::{sync::oneshot, task::JoinHandle};
@@ -66,14 +66,14 @@ impl fmt::Display for WorkerReport {
 /// [`with_purge_batches`]: MaintenanceWorker::with_purge_batches
 /// [`with_purge_batch`]: MaintenanceWorker::with_purge_batch
 #[derive(Debug, Clone)]
-pub struct MaintenanceWorker<S: Maintenance, R = NoResolver> {
+pub struct MaintenanceWorker<S: Maintenance + Journal, R = NoResolver> {
     recovery: Recovery<S, R>,
     interval: Duration,
     purge_batch: u32,
     purge_batches: u32,
 }
 
-impl<S: Maintenance> MaintenanceWorker<S, NoResolver> {
+impl<S: Maintenance + Journal> MaintenanceWorker<S, NoResolver> {
     /// A worker with a pass every second, no durable operations and no resolver (abandoned
     /// external keys are parked), purging at most 10 batches of 1,000 keys per pass.
     pub fn new(store: S) -> Self {
@@ -86,7 +86,7 @@ impl<S: Maintenance> MaintenanceWorker<S, NoResolver> {
     }
 }
 
-impl<S: Maintenance, R: Resolver> MaintenanceWorker<S, R> {
+impl<S: Maintenance + Journal, R: Resolver> MaintenanceWorker<S, R> {
     /// Resumes the durable `operations` (see [`Recovery::with_operations`]).
     pub fn with_operations(mut self, engine: Idempotency<S>, operations: Operations<S>) -> Self {
         self.recovery = self.recovery.with_operations(engine, operations);

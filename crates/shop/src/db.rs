@@ -7,7 +7,7 @@
 //! dispatches on the backend.
 
 use anyhow::{bail, Context};
-use idempotency::{MySqlStore, PgStore, SqliteStore, Store};
+use idempotency::{CompletionSignal, Journal, MySqlStore, PgStore, SqliteStore, Store};
 use sqlx::{
     mysql::{MySqlPoolOptions, MySqlRow},
     postgres::PgPoolOptions,
@@ -359,7 +359,7 @@ impl Tx {
 
 /// A store whose business transactions the shop's statements run on, through [`Conn`]: what
 /// lets an operation be written once for every backend (`impl<S: StoreConn> Operation<S>`).
-pub trait StoreConn: Store {
+pub trait StoreConn: Store + Journal + CompletionSignal {
     /// The connection of a transaction of this backend, for statements.
     fn conn<'a>(tx: &'a mut Transaction<'static, Self::Database>) -> Conn<'a>;
 }

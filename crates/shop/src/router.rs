@@ -20,7 +20,7 @@ use axum::{
     routing::{get, post, MethodRouter},
     Router,
 };
-use idempotency::{Idempotency, Store};
+use idempotency::{CompletionSignal, Idempotency};
 use idempotency_http::IdempotencyLayer;
 use tower_http::catch_panic::CatchPanicLayer;
 
@@ -133,7 +133,7 @@ fn durable_purchase(app: &App, handler: MethodRouter<App>) -> MethodRouter<App> 
     }
 }
 
-fn waiting<S: Store>(app: &App, layer: IdempotencyLayer<S>) -> IdempotencyLayer<S> {
+fn waiting<S: CompletionSignal>(app: &App, layer: IdempotencyLayer<S>) -> IdempotencyLayer<S> {
     match app.wait_for_in_flight() {
         Some(bound) => layer.with_wait_for_in_flight(bound),
         None => layer,

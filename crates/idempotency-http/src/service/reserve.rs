@@ -30,7 +30,7 @@ pub(super) async fn key<S: Store>(
     in_flight::reserve(
         engine,
         attempt,
-        layer.config.wait_for_in_flight,
+        layer.config.wait_for_in_flight.as_ref(),
         &layer.state.waiters,
         operation,
     )

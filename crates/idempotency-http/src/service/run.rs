@@ -42,8 +42,10 @@ pub(super) async fn proceed<S: Store, H: Handler>(
             .then(|| (attempt.key().clone(), call.layer.clone()));
             let answer = execute(call, attempt, lease, tx).await;
             if let Some((key, layer)) = announce {
-                let store = layer.config.idempotency.store();
-                in_flight::announce(store, &layer.state.waiters, key);
+                if let Some(wait) = &layer.config.wait_for_in_flight {
+                    let store = layer.config.idempotency.store();
+                    in_flight::announce(store, wait, &layer.state.waiters, key);
+                }
             }
             return answer;
         }

@@ -10,7 +10,7 @@ use axum::{
     Extension, Json, Router,
 };
 use futures_util::future::BoxFuture;
-use idempotency::{Idempotency, MySqlStore, PgStore, SqliteStore, Store};
+use idempotency::{Idempotency, MySqlStore, PgStore, ReserveInTransaction, SqliteStore, Store};
 use idempotency_http::{
     default_disposition, Disposition, IdempotencyLayer, IdempotentTx, KeyRequirement,
 };
@@ -194,12 +194,18 @@ pub fn layer<S: Store>(store: S) -> IdempotencyLayer<S> {
 /// The lease of `/short-lease`.
 pub const SHORT_LEASE: Duration = Duration::from_millis(300);
 
+/// An engine in the single-transaction mode.
+fn single_transaction<S: ReserveInTransaction>(store: &S) -> Idempotency<S> {
+    Idempotency::new(store.clone()).with_single_transaction(Duration::from_secs(5))
+}
+
 /// The test app: `/orders` (required key), `/optional-orders` (optional key), `/small` (1 KiB
 /// limit), `/short-lease` (300 ms lease), `/payments`
 /// (external effects, 502 parks the key), `/strict` (only 2xx stored), `/detached` (the work runs in
 /// a task of its own), `/nonce` (no transaction), `/orders/{id}` (POST and PATCH
-/// protected; GET, PUT and DELETE pass through).
-pub fn app<S: Store>(store: S) -> Router
+/// protected; GET, PUT and DELETE pass through), `/single-tx-orders` (on `single_tx`, an engine
+/// in the single-transaction mode where the store offers it).
+pub fn app<S: Store>(store: S, single_tx: Idempotency<S>) -> Router
 where
     S::Database: Backend,
 {
@@ -263,11 +269,9 @@ where
     let single_tx = Router::new()
         .route("/single-tx-orders", post(create_order::<S::Database>))
         .route_layer(
-            IdempotencyLayer::new(
-                Idempotency::new(store.clone()).with_single_transaction(Duration::from_secs(5)),
-            )
-            .with_scope_from(|parts| header(&parts.headers, "x-user").map(str::to_owned))
-            .with_stored_headers([http::HeaderName::from_static("x-order-id")]),
+            IdempotencyLayer::new(single_tx)
+                .with_scope_from(|parts| header(&parts.headers, "x-user").map(str::to_owned))
+                .with_stored_headers([http::HeaderName::from_static("x-order-id")]),
         );
     orders
         .merge(single_tx)
@@ -371,6 +375,7 @@ impl TestApp {
             .unwrap();
         let store = PgStore::new(pool.clone());
         store.migrate().await.unwrap();
+        let single_tx = single_transaction(&store);
         sqlx::query(
             "CREATE TABLE orders (id BIGSERIAL PRIMARY KEY, scope TEXT NOT NULL, sku TEXT NOT NULL)",
         )
@@ -378,7 +383,7 @@ impl TestApp {
         .await
         .unwrap();
         Some(Self {
-            url: serve(app(store)).await,
+            url: serve(app(store, single_tx)).await,
             db: Db::Pg(pool),
             client: reqwest::Client::new(),
             _sqlite: None,
@@ -394,6 +399,7 @@ impl TestApp {
             .unwrap();
         let store = MySqlStore::new(pool.clone());
         store.migrate().await.unwrap();
+        let single_tx = single_transaction(&store);
         sqlx::query(
             "CREATE TABLE orders (id BIGINT AUTO_INCREMENT PRIMARY KEY, scope VARCHAR(255) NOT NULL, sku VARCHAR(255) NOT NULL)",
         )
@@ -401,7 +407,7 @@ impl TestApp {
         .await
         .unwrap();
         Some(Self {
-            url: serve(app(store)).await,
+            url: serve(app(store, single_tx)).await,
             db: Db::My(pool),
             client: reqwest::Client::new(),
             _sqlite: None,
@@ -419,7 +425,8 @@ impl TestApp {
         .await
         .unwrap();
         Self {
-            url: serve(app(store.clone())).await,
+            // SQLite offers no single-transaction mode: that route reserves as usual.
+            url: serve(app(store.clone(), Idempotency::new(store.clone()))).await,
             db: Db::Lite(store.pool().clone()),
             client: reqwest::Client::new(),
             _sqlite: Some(file),

@@ -219,7 +219,7 @@ impl KeyRecord {
 }
 
 /// What a durable step writes with its business rows: the key's new recovery point and journal,
-/// and (with the first write) the request. See [`Store::save_progress`].
+/// and (with the first write) the request. See [`Journal::save_progress`].
 ///
 /// ```
 /// use idempotency::Progress;
@@ -342,7 +342,7 @@ pub enum Insertion {
     Vanished,
 }
 
-/// The answer of [`Store::reserve_in`] (the single-transaction mode,
+/// The answer of [`ReserveInTransaction::reserve_in`] (the single-transaction mode,
 /// [`Idempotency::with_single_transaction`](crate::Idempotency::with_single_transaction)).
 ///
 /// ```
@@ -361,8 +361,6 @@ pub enum ReservedIn {
     Exists,
     /// Another transaction held the key for longer than the wait.
     Busy,
-    /// This store reserves only on its own commit.
-    Unsupported,
 }
 
 /// The statements the protocol needs, one per step of the article.
@@ -372,7 +370,13 @@ pub enum ReservedIn {
 /// of the server; and every update conditional on the lease token. See
 /// `PgStore`, `SqliteStore` and `MySqlStore`,
 /// and the guide `docs/implementing-a-store.md` in the repository (the rules every method
-/// follows, and the conformance suite that proves a new store).
+/// follows, and the conformance suite that proves a new store: `idempotency::testing`, feature
+/// `testing`).
+///
+/// Features beyond the article's protocol are capabilities of their own, which a store
+/// implements only if it offers them: [`Journal`] (durable steps and recovery),
+/// [`ReserveInTransaction`] (the single-transaction mode), [`CompletionSignal`] (waiting for a
+/// duplicate's original) and [`Maintenance`] (the operator's side).
 ///
 /// ```no_run
 /// # #[cfg(feature = "sqlite")]
@@ -425,29 +429,6 @@ pub trait Store: Clone + Send + Sync + 'static {
         &self,
     ) -> impl Future<Output = Result<sqlx::Transaction<'static, Self::Database>, StoreError>> + Send;
 
-    /// Whether [`reserve_in`](Store::reserve_in) can reserve inside the business transaction:
-    /// the database queues a duplicate INSERT on the unique index until the first transaction
-    /// ends (PostgreSQL, InnoDB). `false` by default.
-    fn reserves_in_transaction(&self) -> bool {
-        false
-    }
-
-    /// The single-transaction mode's reservation: INSERTs the pending `row` inside `tx`, the
-    /// business transaction, without committing it. A duplicate's INSERT then waits on the
-    /// unique index until `tx` ends, for at most `wait` (then [`ReservedIn::Busy`]); after a
-    /// commit it finds the row ([`ReservedIn::Exists`]), after a rollback it inserts its own.
-    /// Only for [`Effects::Local`] work that is not journaled. By default
-    /// [`ReservedIn::Unsupported`].
-    fn reserve_in(
-        &self,
-        tx: &mut sqlx::Transaction<'static, Self::Database>,
-        row: &PendingRow<'_>,
-        wait: Duration,
-    ) -> impl Future<Output = Result<ReservedIn, StoreError>> + Send {
-        let _ = (tx, row, wait);
-        async { Ok(ReservedIn::Unsupported) }
-    }
-
     /// Inside the business transaction: marks the key completed with `result`, only where it is
     /// pending with `token`. `false` means the lease was lost and the transaction must roll back.
     fn complete(
@@ -485,17 +466,6 @@ pub trait Store: Clone + Send + Sync + 'static {
         lease: Duration,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send;
 
-    /// Inside a durable step's transaction: writes `progress` (recovery point, journal, and the
-    /// request where none is stored yet), only where the key is pending with `token`. `false`
-    /// means the lease was lost: the step's transaction must roll back (fencing).
-    fn save_progress(
-        &self,
-        tx: &mut sqlx::Transaction<'static, Self::Database>,
-        key: &IdempotencyKey,
-        token: LeaseToken,
-        progress: &Progress<'_>,
-    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
-
     /// Claims a pending key whose lease has ended, keeping everything it holds (progress,
     /// request, `recovery_attempts`): replaces the lease token `stale` by `fresh` and sets
     /// `lease_until = now() + lease`, only where the row is still `pending`, still carries
@@ -509,6 +479,37 @@ pub trait Store: Clone + Send + Sync + 'static {
         fresh: LeaseToken,
         lease: Duration,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+}
+
+/// Capability of durable operations ([`Steps`](crate::Steps)) and of the recovery job
+/// ([`Recovery`](crate::Recovery)): a journal of the steps done, written in each step's
+/// transaction, and a count of the outside outcomes found unknown.
+///
+/// A store without it runs every protocol of [`Idempotency`](crate::Idempotency) but
+/// [`perform`](crate::Idempotency::perform), [`Steps`](crate::Steps) and [`Recovery`](crate::Recovery).
+/// The conformance suite's `journal` scenarios prove an implementation
+/// (`idempotency::testing`, feature `testing`).
+///
+/// ```no_run
+/// # #[cfg(feature = "sqlite")]
+/// # async fn demo(store: idempotency::SqliteStore, key: idempotency::IdempotencyKey, token: idempotency::LeaseToken) -> Result<(), idempotency::StoreError> {
+/// use idempotency::Journal;
+/// use std::time::Duration;
+/// // The provider did not say whether the charge happened: look again in a second.
+/// store.note_unknown(&key, token, Duration::from_secs(1)).await?;
+/// # Ok(()) }
+/// ```
+pub trait Journal: Store {
+    /// Inside a durable step's transaction: writes `progress` (recovery point, journal, and the
+    /// request where none is stored yet), only where the key is pending with `token`. `false`
+    /// means the lease was lost: the step's transaction must roll back (fencing).
+    fn save_progress(
+        &self,
+        tx: &mut sqlx::Transaction<'static, Self::Database>,
+        key: &IdempotencyKey,
+        token: LeaseToken,
+        progress: &Progress<'_>,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
 
     /// Notes that an outside outcome is unknown: `recovery_attempts += 1` and
     /// `lease_until = now() + retry_after` (when the recovery job, or a retry, may look again),
@@ -520,7 +521,56 @@ pub trait Store: Clone + Send + Sync + 'static {
         token: LeaseToken,
         retry_after: Duration,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+}
 
+/// Capability of the single-transaction mode
+/// ([`Idempotency::with_single_transaction`](crate::Idempotency::with_single_transaction)): the
+/// database queues a duplicate INSERT on the unique index until the transaction that wrote the
+/// first one ends (PostgreSQL, InnoDB), so the key row can be written inside the business
+/// transaction. SQLite, whose single writer queues whole transactions, does not offer it.
+///
+/// ```no_run
+/// # #[cfg(feature = "postgres")]
+/// # async fn demo(store: idempotency::PgStore, row: idempotency::PendingRow<'_>) -> Result<(), idempotency::StoreError> {
+/// use idempotency::{ReserveInTransaction, ReservedIn, Store};
+/// use std::time::Duration;
+/// let mut tx = store.begin().await?;
+/// if store.reserve_in(&mut tx, &row, Duration::from_secs(5)).await? == ReservedIn::Inserted {
+///     // The work runs in `tx`, and the key is completed in it.
+/// }
+/// # Ok(()) }
+/// ```
+pub trait ReserveInTransaction: Store {
+    /// The single-transaction mode's reservation: INSERTs the pending `row` inside `tx`, the
+    /// business transaction, without committing it. A duplicate's INSERT then waits on the
+    /// unique index until `tx` ends, for at most `wait` (then [`ReservedIn::Busy`]); after a
+    /// commit it finds the row ([`ReservedIn::Exists`]), after a rollback it inserts its own.
+    /// Only for [`Effects::Local`] work that is not journaled.
+    fn reserve_in(
+        &self,
+        tx: &mut sqlx::Transaction<'static, Self::Database>,
+        row: &PendingRow<'_>,
+        wait: Duration,
+    ) -> impl Future<Output = Result<ReservedIn, StoreError>> + Send;
+}
+
+/// Capability of waiting for a duplicate's original ([`Consumer`](crate::Consumer)'s in-progress
+/// wait, the HTTP layer's wait for a request in flight): how a waiter learns that a pending key
+/// stopped being pending.
+///
+/// Both methods are provided: `impl CompletionSignal for MyStore {}` waits by polling
+/// [`Store::find`] and notifies nobody (waiters poll). A database with notifications overrides
+/// both (PostgreSQL: `LISTEN`/`NOTIFY`).
+///
+/// ```
+/// # #[cfg(feature = "sqlite")]
+/// # fn demo() {
+/// use idempotency::{CompletionSignal, SqliteStore};
+/// fn waits<S: CompletionSignal>() {}
+/// waits::<SqliteStore>();
+/// # }
+/// ```
+pub trait CompletionSignal: Store {
     /// Waits, at most `timeout`, for a pending key to stop being pending: for a duplicate that
     /// arrived while the original request still runs, so that it can answer with the original's
     /// stored result instead of a 409.
@@ -534,12 +584,12 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// The provided implementation polls [`find`](Store::find): after 1 ms, then each pause
     /// doubling up to 25 ms ([`POLL_FIRST`], [`POLL_MAX`]), and never past the lease's end or
     /// the timeout. The PostgreSQL store overrides it with `LISTEN`, woken by the `NOTIFY` of
-    /// [`notify_settled`](Store::notify_settled), keeping a slower poll as a safety net.
+    /// [`notify_settled`](CompletionSignal::notify_settled), keeping a slower poll as a safety net.
     ///
     /// ```no_run
     /// # #[cfg(feature = "sqlite")]
     /// # async fn demo(key: idempotency::IdempotencyKey, fingerprint: idempotency::Fingerprint) -> Result<(), idempotency::StoreError> {
-    /// use idempotency::{SqliteStore, Awaited, Store};
+    /// use idempotency::{SqliteStore, Awaited, CompletionSignal};
     /// use std::time::Duration;
     /// let store = SqliteStore::connect("sqlite://keys.db?mode=rwc").await?;
     /// match store.wait_for_completion(&key, &fingerprint, Duration::from_secs(2)).await? {
@@ -559,7 +609,7 @@ pub trait Store: Clone + Send + Sync + 'static {
         poll_for_completion(self, key, fingerprint, timeout)
     }
 
-    /// Tells [`wait_for_completion`](Store::wait_for_completion)ers in other processes that
+    /// Tells [`wait_for_completion`](CompletionSignal::wait_for_completion)ers in other processes that
     /// `key` has just stopped being pending: called after the commit that completed it, or after
     /// it was released or parked. Where the database has no notification, this does nothing (the
     /// provided implementation) and waiters poll; PostgreSQL sends a `NOTIFY`.
@@ -567,7 +617,7 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// ```no_run
     /// # #[cfg(feature = "postgres")]
     /// # async fn demo(store: idempotency::PgStore, key: idempotency::IdempotencyKey) -> Result<(), idempotency::StoreError> {
-    /// use idempotency::Store;
+    /// use idempotency::CompletionSignal;
     /// store.notify_settled(&key).await?;
     /// # Ok(()) }
     /// ```
@@ -580,13 +630,13 @@ pub trait Store: Clone + Send + Sync + 'static {
     }
 }
 
-/// The first pause of the polling [`Store::wait_for_completion`].
+/// The first pause of the polling [`CompletionSignal::wait_for_completion`].
 pub const POLL_FIRST: Duration = Duration::from_millis(1);
 
-/// The longest pause of the polling [`Store::wait_for_completion`].
+/// The longest pause of the polling [`CompletionSignal::wait_for_completion`].
 pub const POLL_MAX: Duration = Duration::from_millis(25);
 
-/// What [`Store::wait_for_completion`] saw.
+/// What [`CompletionSignal::wait_for_completion`] saw.
 ///
 /// ```
 /// use idempotency::Awaited;
@@ -641,7 +691,7 @@ pub(crate) fn next_look(
     sleep.min(deadline.saturating_duration_since(tokio::time::Instant::now()))
 }
 
-/// The provided [`Store::wait_for_completion`]: bounded polling of [`Store::find`].
+/// The provided [`CompletionSignal::wait_for_completion`]: bounded polling of [`Store::find`].
 pub(crate) async fn poll_for_completion<S: Store>(
     store: &S,
     key: &IdempotencyKey,

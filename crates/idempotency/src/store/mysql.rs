@@ -441,36 +441,6 @@ impl Store for MySqlStore {
         super::uncancellable(async move { Ok(pool.begin().await?) }).await
     }
 
-    fn reserves_in_transaction(&self) -> bool {
-        true
-    }
-
-    /// InnoDB queues a duplicate's INSERT on the primary key behind the uncommitted row. The wait
-    /// is bounded per statement in whole seconds (`innodb_lock_wait_timeout`, at least 1), so
-    /// `wait` is rounded up. Waiters left when a holder rolls back may deadlock on the freed
-    /// key (1213, their transaction rolled back): they answer [`ReservedIn::Exists`] and reserve
-    /// the article's way, which decides.
-    async fn reserve_in(
-        &self,
-        tx: &mut Transaction<'static, MySql>,
-        row: &PendingRow<'_>,
-        wait: Duration,
-    ) -> Result<ReservedIn, StoreError> {
-        let seconds = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
-        let sql = self.flavor(tx).await?.bounded_insert(seconds.max(1));
-        let inserted = bind_pending(sqlx::query(&sql), row)
-            .execute(&mut **tx)
-            .await;
-        match inserted {
-            Ok(_) => Ok(ReservedIn::Inserted),
-            Err(e) => match error_number(&e) {
-                Some(ER_DUP_ENTRY | ER_LOCK_DEADLOCK) => Ok(ReservedIn::Exists),
-                Some(ER_LOCK_WAIT_TIMEOUT) => Ok(ReservedIn::Busy),
-                _ => Err(e.into()),
-            },
-        }
-    }
-
     async fn complete(
         &self,
         tx: &mut Transaction<'static, MySql>,
@@ -572,7 +542,9 @@ impl Store for MySqlStore {
         })
         .await
     }
+}
 
+impl super::Journal for MySqlStore {
     async fn note_unknown(
         &self,
         key: &IdempotencyKey,
@@ -624,6 +596,37 @@ impl Store for MySqlStore {
         Ok(done.rows_affected() == 1)
     }
 }
+
+impl super::ReserveInTransaction for MySqlStore {
+    /// InnoDB queues a duplicate's INSERT on the primary key behind the uncommitted row. The wait
+    /// is bounded per statement in whole seconds (`innodb_lock_wait_timeout`, at least 1), so
+    /// `wait` is rounded up. Waiters left when a holder rolls back may deadlock on the freed
+    /// key (1213, their transaction rolled back): they answer [`ReservedIn::Exists`] and reserve
+    /// the article's way, which decides.
+    async fn reserve_in(
+        &self,
+        tx: &mut Transaction<'static, MySql>,
+        row: &PendingRow<'_>,
+        wait: Duration,
+    ) -> Result<ReservedIn, StoreError> {
+        let seconds = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
+        let sql = self.flavor(tx).await?.bounded_insert(seconds.max(1));
+        let inserted = bind_pending(sqlx::query(&sql), row)
+            .execute(&mut **tx)
+            .await;
+        match inserted {
+            Ok(_) => Ok(ReservedIn::Inserted),
+            Err(e) => match error_number(&e) {
+                Some(ER_DUP_ENTRY | ER_LOCK_DEADLOCK) => Ok(ReservedIn::Exists),
+                Some(ER_LOCK_WAIT_TIMEOUT) => Ok(ReservedIn::Busy),
+                _ => Err(e.into()),
+            },
+        }
+    }
+}
+
+/// Waits by polling: MySQL has no notifications.
+impl super::CompletionSignal for MySqlStore {}
 
 // --- Maintenance: recovery, purge, listing, resolution, statistics ------------------------------
 

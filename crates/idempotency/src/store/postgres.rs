@@ -84,7 +84,7 @@ fn reservation_durability(row: &PendingRow<'_>) -> &'static str {
     }
 }
 
-/// The single-transaction reservation ([`Store::reserve_in`]): the INSERT runs under
+/// The single-transaction reservation ([`ReserveInTransaction::reserve_in`](super::ReserveInTransaction::reserve_in)): the INSERT runs under
 /// `lock_timeout = $9` (milliseconds), and the transaction's previous `lock_timeout` is put back
 /// in the same statement, after the INSERT (each step reads the one before it, which orders
 /// them), so the business work keeps the caller's setting.
@@ -156,7 +156,7 @@ const FIND: &str = concat!(
 pub struct PgStore {
     pool: PgPool,
     /// Waiters for completions, and the one listener connection that wakes them (started by the
-    /// first [`Store::wait_for_completion`]); shared by the clones of this store.
+    /// first [`CompletionSignal::wait_for_completion`](super::CompletionSignal::wait_for_completion)); shared by the clones of this store.
     completions: Arc<Completions>,
 }
 
@@ -316,33 +316,6 @@ impl Store for PgStore {
         super::uncancellable(async move { Ok(pool.begin().await?) }).await
     }
 
-    fn reserves_in_transaction(&self) -> bool {
-        true
-    }
-
-    async fn reserve_in(
-        &self,
-        tx: &mut Transaction<'static, Postgres>,
-        row: &PendingRow<'_>,
-        wait: Duration,
-    ) -> Result<ReservedIn, StoreError> {
-        // 0 would mean "wait forever" to PostgreSQL.
-        let wait_ms = millis(wait).max(1).to_string();
-        let answer = bind_pending(sqlx::query(RESERVE_IN), row)
-            .bind(wait_ms)
-            .fetch_one(&mut **tx)
-            .await
-            .and_then(|answer| answer.try_get::<bool, _>("inserted"));
-        match answer {
-            Ok(true) => Ok(ReservedIn::Inserted),
-            Ok(false) => Ok(ReservedIn::Exists),
-            Err(e) if lock_timed_out(&e) => Ok(ReservedIn::Busy),
-            // REPEATABLE READ or SERIALIZABLE: the row committed after our snapshot.
-            Err(e) if lost_race(&e) => Ok(ReservedIn::Exists),
-            Err(e) => Err(e.into()),
-        }
-    }
-
     async fn complete(
         &self,
         tx: &mut Transaction<'static, Postgres>,
@@ -367,36 +340,6 @@ impl Store for PgStore {
         .execute(&mut **tx)
         .await?;
         Ok(done.rows_affected() == 1)
-    }
-
-    async fn wait_for_completion(
-        &self,
-        key: &IdempotencyKey,
-        fingerprint: &Fingerprint,
-        timeout: Duration,
-    ) -> Result<super::Awaited, StoreError> {
-        self.completions.wait(self, key, fingerprint, timeout).await
-    }
-
-    /// `NOTIFY` on [`COMPLETION_CHANNEL`] with the key's [`completion_payload`], in a
-    /// transaction of its own committed without waiting for its WAL flush
-    /// (`synchronous_commit = off`; a notification need not survive a crash, and waiters poll
-    /// anyway).
-    ///
-    /// Not inside the completing transaction: PostgreSQL serialises the commits of transactions
-    /// that notified (a database-wide lock held through the commit's WAL flush), which cut the
-    /// commit rate of 32 concurrent writers by about three (pgbench on this machine), for every
-    /// completion whether anyone waits or not.
-    async fn notify_settled(&self, key: &IdempotencyKey) -> Result<(), StoreError> {
-        sqlx::query(
-            "WITH durability AS (SELECT set_config('synchronous_commit', 'off', true) AS level)
-             SELECT pg_notify($1, $2)::TEXT AS notified FROM durability",
-        )
-        .bind(COMPLETION_CHANNEL)
-        .bind(completion_payload(key))
-        .execute(&self.pool)
-        .await?;
-        Ok(())
     }
 
     async fn release(&self, key: &IdempotencyKey, token: LeaseToken) -> Result<bool, StoreError> {
@@ -480,7 +423,9 @@ impl Store for PgStore {
         )
         .await
     }
+}
 
+impl super::Journal for PgStore {
     async fn note_unknown(
         &self,
         key: &IdempotencyKey,
@@ -528,6 +473,63 @@ impl Store for PgStore {
         .execute(&mut **tx)
         .await?;
         Ok(done.rows_affected() == 1)
+    }
+}
+
+impl super::ReserveInTransaction for PgStore {
+    async fn reserve_in(
+        &self,
+        tx: &mut Transaction<'static, Postgres>,
+        row: &PendingRow<'_>,
+        wait: Duration,
+    ) -> Result<ReservedIn, StoreError> {
+        // 0 would mean "wait forever" to PostgreSQL.
+        let wait_ms = millis(wait).max(1).to_string();
+        let answer = bind_pending(sqlx::query(RESERVE_IN), row)
+            .bind(wait_ms)
+            .fetch_one(&mut **tx)
+            .await
+            .and_then(|answer| answer.try_get::<bool, _>("inserted"));
+        match answer {
+            Ok(true) => Ok(ReservedIn::Inserted),
+            Ok(false) => Ok(ReservedIn::Exists),
+            Err(e) if lock_timed_out(&e) => Ok(ReservedIn::Busy),
+            // REPEATABLE READ or SERIALIZABLE: the row committed after our snapshot.
+            Err(e) if lost_race(&e) => Ok(ReservedIn::Exists),
+            Err(e) => Err(e.into()),
+        }
+    }
+}
+
+impl super::CompletionSignal for PgStore {
+    async fn wait_for_completion(
+        &self,
+        key: &IdempotencyKey,
+        fingerprint: &Fingerprint,
+        timeout: Duration,
+    ) -> Result<super::Awaited, StoreError> {
+        self.completions.wait(self, key, fingerprint, timeout).await
+    }
+
+    /// `NOTIFY` on [`COMPLETION_CHANNEL`] with the key's [`completion_payload`], in a
+    /// transaction of its own committed without waiting for its WAL flush
+    /// (`synchronous_commit = off`; a notification need not survive a crash, and waiters poll
+    /// anyway).
+    ///
+    /// Not inside the completing transaction: PostgreSQL serialises the commits of transactions
+    /// that notified (a database-wide lock held through the commit's WAL flush), which cut the
+    /// commit rate of 32 concurrent writers by about three (pgbench on this machine), for every
+    /// completion whether anyone waits or not.
+    async fn notify_settled(&self, key: &IdempotencyKey) -> Result<(), StoreError> {
+        sqlx::query(
+            "WITH durability AS (SELECT set_config('synchronous_commit', 'off', true) AS level)
+             SELECT pg_notify($1, $2)::TEXT AS notified FROM durability",
+        )
+        .bind(COMPLETION_CHANNEL)
+        .bind(completion_payload(key))
+        .execute(&self.pool)
+        .await?;
+        Ok(())
     }
 }
 
@@ -727,7 +729,7 @@ impl super::Maintenance for PgStore {
 
 // --- Waiting for completions: LISTEN/NOTIFY -------------------------------------------------------
 
-/// The channel [`Store::notify_settled`] notifies on (after the commit that completed a key, or
+/// The channel [`CompletionSignal::notify_settled`](super::CompletionSignal::notify_settled) notifies on (after the commit that completed a key, or
 /// its release), and the store's waiters listen on. The payload is [`completion_payload`] of the
 /// key.
 pub const COMPLETION_CHANNEL: &str = "idempotency_completed";
@@ -878,7 +880,7 @@ impl Completions {
         false
     }
 
-    /// [`Store::wait_for_completion`] for PostgreSQL: subscribe first, then read the key (a
+    /// [`CompletionSignal::wait_for_completion`](super::CompletionSignal::wait_for_completion) for PostgreSQL: subscribe first, then read the key (a
     /// completion that committed before the subscription is seen by that read), then sleep until
     /// a notification for the key, the safety-net poll, the lease's end or the deadline.
     async fn wait(

@@ -524,7 +524,9 @@ impl Store for SqliteStore {
         .await?;
         Ok(done.rows_affected() == 1)
     }
+}
 
+impl super::Journal for SqliteStore {
     async fn note_unknown(
         &self,
         key: &IdempotencyKey,
@@ -576,6 +578,9 @@ impl Store for SqliteStore {
         Ok(done.rows_affected() == 1)
     }
 }
+
+/// Waits by polling: SQLite has no notifications.
+impl super::CompletionSignal for SqliteStore {}
 
 // --- Maintenance: recovery, purge, listing, resolution, statistics ------------------------------
 

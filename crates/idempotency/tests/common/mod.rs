@@ -7,10 +7,10 @@ use idempotency::{Attempt, Error, Fingerprint, Idempotency, IdempotencyKey, Outc
 use idempotency::{PgStore, SqliteStore, Store};
 use serde_json::json;
 use sqlx::Transaction;
-use std::{any::Any, sync::Arc, time::Duration};
+use std::{any::Any, time::Duration};
 
 /// A store on a fresh database, with a business table to count effects in.
-pub trait Harness: Store + Sized {
+pub trait Harness: Store + idempotency::Journal + idempotency::CompletionSignal + Sized {
     /// Backend name for messages.
     const NAME: &'static str;
 
@@ -304,55 +304,6 @@ pub async fn purchase<S: Harness>(
         Ok(json!({"trial": trial, "n": n}))
     })
     .await
-}
-
-/// Races `tasks` tasks on one new key, `trials` times; odd trials without the replay read, so
-/// both ways into the reservation are raced.
-pub async fn race<S: Harness>(store: S, trials: usize, tasks: usize) {
-    let (mut executed, mut replayed, mut in_progress) = (0, 0, 0);
-    for trial in 0..trials {
-        let idem = Idempotency::new(store.clone()).with_replay_first(trial % 2 == 0);
-        let trial = format!("{}-{trial}", unique("race"));
-        let barrier = Arc::new(tokio::sync::Barrier::new(tasks));
-        let handles: Vec<_> = (0..tasks)
-            .map(|_| {
-                let (idem, barrier, trial) = (idem.clone(), barrier.clone(), trial.clone());
-                tokio::spawn(async move {
-                    let a = attempt("racer", &trial, json!({"trial": trial}));
-                    barrier.wait().await;
-                    let t = trial.clone();
-                    idem.run(&a, async move |tx| {
-                        S::insert_effect(tx, &t).await?;
-                        tokio::time::sleep(Duration::from_millis(3)).await;
-                        Ok::<_, sqlx::Error>(json!({"trial": t}))
-                    })
-                    .await
-                })
-            })
-            .collect();
-        for handle in handles {
-            match handle.await.unwrap() {
-                Ok(Outcome::Executed(_)) => executed += 1,
-                Ok(Outcome::Replayed(v)) => {
-                    assert_eq!(v, json!({"trial": trial}));
-                    replayed += 1
-                }
-                Err(Error::InProgress { .. }) => in_progress += 1,
-                Err(other) => panic!("{}: trial {trial}: unexpected {other:?}", S::NAME),
-            }
-        }
-        assert_eq!(
-            store.count_effects(&trial).await,
-            1,
-            "{}: trial {trial}",
-            S::NAME
-        );
-    }
-    assert_eq!(executed, trials, "exactly one execution per trial");
-    eprintln!(
-        "{}: {trials} trials x {tasks} tasks: executed {executed}, replayed {replayed}, in progress {in_progress}",
-        S::NAME
-    );
 }
 
 pub async fn wait_until<F, Fut>(limit: Duration, mut check: F) -> bool
