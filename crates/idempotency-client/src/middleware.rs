@@ -6,7 +6,7 @@ use crate::{
     headers::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED},
     outcome::{AttemptRecord, AttemptResult, Outcome, Probe, StopReason, TransportKind},
     policy::{KeyFormat, KeyGenerator, RequestKey, Resendable, RetryPolicy},
-    retry::{classify, hint, is_idempotent, Inspected, Verdict},
+    retry::{classify, hint, is_idempotent, AfterAttempt, Inspected},
 };
 use http::{Extensions, HeaderValue, Method};
 use reqwest::{Request, Response};
@@ -207,14 +207,14 @@ impl Operation {
     /// Stop (and why), or the pause before the next attempt.
     fn decide(
         &self,
-        verdict: Verdict,
+        after: AfterAttempt,
         number: u32,
         retry_after: Option<Duration>,
     ) -> Result<Duration, StopReason> {
-        let stop = match verdict {
-            Verdict::Final => Some(StopReason::Answered),
-            Verdict::KeyReused => Some(StopReason::KeyReused),
-            Verdict::RetryIfResendable if !self.resendable => Some(StopReason::NotRetryable),
+        let stop = match after {
+            AfterAttempt::Final => Some(StopReason::Answered),
+            AfterAttempt::KeyReused => Some(StopReason::KeyReused),
+            AfterAttempt::RetryIfResendable if !self.resendable => Some(StopReason::NotRetryable),
             _ if !self.replayable => Some(StopReason::BodyNotReplayable),
             _ if number >= self.policy.max_attempts.max(1) => Some(StopReason::MaxAttempts),
             _ => None,
@@ -254,7 +254,11 @@ async fn send(
 }
 
 /// Reads the answer: status, replay mark, hint, and for 409/422 the problem type.
-async fn read(response: Response, number: u32, took: Duration) -> (Read, AttemptRecord, Verdict) {
+async fn read(
+    response: Response,
+    number: u32,
+    took: Duration,
+) -> (Read, AttemptRecord, AfterAttempt) {
     let replayed = response
         .headers()
         .get(IDEMPOTENT_REPLAYED)
@@ -267,7 +271,7 @@ async fn read(response: Response, number: u32, took: Duration) -> (Read, Attempt
     let status = response.status();
     match Inspected::read(response).await {
         Ok(inspected) => {
-            let verdict = classify(status, replayed, retry_after, &inspected);
+            let after = classify(status, replayed, retry_after, &inspected);
             let record = AttemptRecord {
                 number,
                 result: AttemptResult::Status(status),
@@ -278,7 +282,7 @@ async fn read(response: Response, number: u32, took: Duration) -> (Read, Attempt
                 took,
                 pause: None,
             };
-            (Ok((inspected, replayed)), record, verdict)
+            (Ok((inspected, replayed)), record, after)
         }
         Err(error) => {
             let record = AttemptRecord {
@@ -294,7 +298,7 @@ async fn read(response: Response, number: u32, took: Duration) -> (Read, Attempt
                 took,
                 pause: None,
             };
-            (Err(error.into()), record, Verdict::RetryIfResendable)
+            (Err(error.into()), record, AfterAttempt::RetryIfResendable)
         }
     }
 }
@@ -304,29 +308,29 @@ fn failed(
     error: reqwest_middleware::Error,
     number: u32,
     took: Duration,
-) -> (Read, AttemptRecord, Verdict) {
-    let (result, verdict) = match &error {
+) -> (Read, AttemptRecord, AfterAttempt) {
+    let (result, after) = match &error {
         reqwest_middleware::Error::Reqwest(e) => {
             let kind = TransportKind::of(e);
-            let verdict = match kind {
-                TransportKind::Connect => Verdict::Retry,
+            let after = match kind {
+                TransportKind::Connect => AfterAttempt::Retry,
                 TransportKind::Timeout | TransportKind::Request | TransportKind::Body => {
-                    Verdict::RetryIfResendable
+                    AfterAttempt::RetryIfResendable
                 }
-                TransportKind::Other => Verdict::Final,
+                TransportKind::Other => AfterAttempt::Final,
             };
             let result = AttemptResult::Transport {
                 kind,
                 message: e.to_string(),
             };
-            (result, verdict)
+            (result, after)
         }
         reqwest_middleware::Error::Middleware(e) => (
             AttemptResult::Transport {
                 kind: TransportKind::Other,
                 message: e.to_string(),
             },
-            Verdict::Final,
+            AfterAttempt::Final,
         ),
     };
     let record = AttemptRecord {
@@ -339,7 +343,7 @@ fn failed(
         took,
         pause: None,
     };
-    (Err(error), record, verdict)
+    (Err(error), record, after)
 }
 
 impl IdempotencyMiddleware {
@@ -440,7 +444,7 @@ impl Middleware for IdempotencyMiddleware {
             let sent_at = Instant::now();
             let ran = send(this, left, extensions, next.clone()).await;
             let took = sent_at.elapsed();
-            let (answer, record, verdict) = match ran {
+            let (answer, record, after) = match ran {
                 // The deadline passed during an attempt without a timeout of its own.
                 None => return self.deadline_passed(operation, number, took),
                 Some(Ok(response)) => read(response, number, took).await,
@@ -451,7 +455,7 @@ impl Middleware for IdempotencyMiddleware {
             operation.outcome.attempts.push(record);
 
             // Decide: stop with this answer, or pause and send again.
-            let pause = match operation.decide(verdict, number, retry_after) {
+            let pause = match operation.decide(after, number, retry_after) {
                 Ok(pause) => pause,
                 Err(stop) => return self.stop(operation, answer, stop),
             };

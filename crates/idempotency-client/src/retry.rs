@@ -12,7 +12,7 @@ pub(crate) const INSPECT_LIMIT: u64 = 64 * 1024;
 
 /// What to do after one attempt.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Verdict {
+pub(crate) enum AfterAttempt {
     /// Give this answer back.
     Final,
     /// The 422 `key-reused`: the typed error.
@@ -71,24 +71,24 @@ pub(crate) fn classify(
     replayed: bool,
     retry_after: Option<Duration>,
     inspected: &Inspected,
-) -> Verdict {
+) -> AfterAttempt {
     if replayed {
         // The server's stored answer: every retry would replay it again.
-        return Verdict::Final;
+        return AfterAttempt::Final;
     }
     let problem = inspected.problem_type().map(slug);
     match status.as_u16() {
-        408 => Verdict::RetryIfResendable,
+        408 => AfterAttempt::RetryIfResendable,
         409 => match problem {
-            Some("in-progress" | "lease-lost") => Verdict::RetryIfResendable,
-            Some("needs-review") => Verdict::Final,
-            _ if retry_after.is_some() => Verdict::RetryIfResendable,
-            _ => Verdict::Final,
+            Some("in-progress" | "lease-lost") => AfterAttempt::RetryIfResendable,
+            Some("needs-review") => AfterAttempt::Final,
+            _ if retry_after.is_some() => AfterAttempt::RetryIfResendable,
+            _ => AfterAttempt::Final,
         },
-        422 if problem == Some("key-reused") => Verdict::KeyReused,
-        429 | 500 if retry_after.is_some() => Verdict::RetryIfResendable,
-        502..=504 => Verdict::RetryIfResendable,
-        _ => Verdict::Final,
+        422 if problem == Some("key-reused") => AfterAttempt::KeyReused,
+        429 | 500 if retry_after.is_some() => AfterAttempt::RetryIfResendable,
+        502..=504 => AfterAttempt::RetryIfResendable,
+        _ => AfterAttempt::Final,
     }
 }
 
@@ -198,7 +198,7 @@ mod tests {
         }
     }
 
-    fn verdict(status: u16, problem: Option<&str>, hint: Option<u64>) -> Verdict {
+    fn after(status: u16, problem: Option<&str>, hint: Option<u64>) -> AfterAttempt {
         classify(
             StatusCode::from_u16(status).unwrap(),
             false,
@@ -209,22 +209,18 @@ mod tests {
 
     #[test]
     fn the_rules() {
-        use Verdict::*;
+        use AfterAttempt::*;
         for status in [200, 201, 204, 301, 400, 401, 403, 404, 405, 410, 413, 415] {
-            assert_eq!(verdict(status, None, None), Final, "{status}");
-            assert_eq!(
-                verdict(status, None, Some(10)),
-                Final,
-                "{status} with a hint"
-            );
+            assert_eq!(after(status, None, None), Final, "{status}");
+            assert_eq!(after(status, None, Some(10)), Final, "{status} with a hint");
         }
-        assert_eq!(verdict(422, None, Some(10)), Final);
+        assert_eq!(after(422, None, Some(10)), Final);
         assert_eq!(
-            verdict(422, Some("https://x/problems/invalid-body"), None),
+            after(422, Some("https://x/problems/invalid-body"), None),
             Final
         );
         assert_eq!(
-            verdict(
+            after(
                 422,
                 Some("https://idempotency.dev/problems/key-reused"),
                 None
@@ -232,9 +228,9 @@ mod tests {
             KeyReused
         );
         let in_progress = Some("https://idempotency.dev/problems/in-progress");
-        assert_eq!(verdict(409, in_progress, None), RetryIfResendable);
+        assert_eq!(after(409, in_progress, None), RetryIfResendable);
         assert_eq!(
-            verdict(
+            after(
                 409,
                 Some("https://idempotency.dev/problems/lease-lost"),
                 None
@@ -242,7 +238,7 @@ mod tests {
             RetryIfResendable
         );
         assert_eq!(
-            verdict(
+            after(
                 409,
                 Some("https://idempotency.dev/problems/shop/in-progress"),
                 None
@@ -250,23 +246,23 @@ mod tests {
             RetryIfResendable
         );
         assert_eq!(
-            verdict(
+            after(
                 409,
                 Some("https://idempotency.dev/problems/needs-review"),
                 Some(5)
             ),
             Final
         );
-        assert_eq!(verdict(409, Some("https://x/duplicate-email"), None), Final);
-        assert_eq!(verdict(409, None, Some(5)), RetryIfResendable);
-        assert_eq!(verdict(500, None, None), Final);
-        assert_eq!(verdict(500, None, Some(1000)), RetryIfResendable);
-        assert_eq!(verdict(429, None, None), Final);
-        assert_eq!(verdict(429, None, Some(1000)), RetryIfResendable);
+        assert_eq!(after(409, Some("https://x/duplicate-email"), None), Final);
+        assert_eq!(after(409, None, Some(5)), RetryIfResendable);
+        assert_eq!(after(500, None, None), Final);
+        assert_eq!(after(500, None, Some(1000)), RetryIfResendable);
+        assert_eq!(after(429, None, None), Final);
+        assert_eq!(after(429, None, Some(1000)), RetryIfResendable);
         for status in [502, 503, 504, 408] {
-            assert_eq!(verdict(status, None, None), RetryIfResendable, "{status}");
+            assert_eq!(after(status, None, None), RetryIfResendable, "{status}");
         }
-        assert_eq!(verdict(501, None, None), Final);
+        assert_eq!(after(501, None, None), Final);
         let replayed_502 = classify(
             StatusCode::BAD_GATEWAY,
             true,
