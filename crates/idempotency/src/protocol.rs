@@ -869,7 +869,8 @@ impl<S: Store> Idempotency<S> {
     /// this same error bound: `run`, [`run_with`](Self::run_with), the durable steps
     /// ([`Steps::local`](crate::Steps::local), [`Steps::finish`](crate::Steps::finish),
     /// [`Steps::fail`](crate::Steps::fail)) and the queue's [`Inbox::handle`](crate::Inbox::handle)
-    /// and [`Inbox::handle_with`](crate::Inbox::handle_with). Work written for one fits the others.
+    /// and [`Inbox::handle_with`](crate::Inbox::handle_with) (and `idempotency_amqp`'s
+    /// `Incoming::handle`, which call them). Work written for one fits the others.
     ///
     /// The error is any `E: Into<BoxError> + Send`: every `std::error::Error + Send + Sync` type
     /// (`sqlx::Error`, your own `thiserror` enum), `anyhow::Error`, `String` and `&str`. `run`
