@@ -21,9 +21,9 @@ use std::{
 /// The operation name of purchase keys.
 pub const PURCHASE: &str = "purchase";
 
-/// What the database says of a run.
+/// What the database says of a run: the keys, charges and orders counted by how they ended.
 #[derive(Debug, Default, Clone)]
-pub struct Verdict {
+pub struct Tally {
     /// Logical operations the clients sent (0 when not checked against clients).
     pub operations: usize,
     /// Purchase keys in the table.
@@ -60,8 +60,8 @@ pub fn charge_key(user: &str, key: &str) -> Option<String> {
 
 /// Checks a settled snapshot; returns the counts and every offender found (empty when every
 /// invariant holds).
-pub fn invariants(s: &Snapshot, start_balance: i64) -> (Verdict, Vec<String>) {
-    let mut v = Verdict::default();
+pub fn invariants(s: &Snapshot, start_balance: i64) -> (Tally, Vec<String>) {
+    let mut v = Tally::default();
     let mut bad = Vec::new();
     let orders: HashMap<i64, &crate::db::OrderRow> = s.orders.iter().map(|o| (o.id, o)).collect();
     let refunded: HashSet<&str> = s.refunds.iter().map(|r| r.1.as_str()).collect();
@@ -306,13 +306,13 @@ pub async fn wait_settled(
     db: &Db,
     start_balance: i64,
     limit: Duration,
-) -> Result<(Duration, Verdict)> {
+) -> Result<(Duration, Tally)> {
     let started = Instant::now();
     loop {
         let snapshot = db.snapshot().await?;
-        let (verdict, offenders) = invariants(&snapshot, start_balance);
+        let (tally, offenders) = invariants(&snapshot, start_balance);
         if offenders.is_empty() {
-            return Ok((started.elapsed(), verdict));
+            return Ok((started.elapsed(), tally));
         }
         if started.elapsed() > limit {
             let unsettled_charges = offenders
@@ -323,7 +323,7 @@ pub async fn wait_settled(
             bail!(
                 "not settled after {:.0}s: {} keys pending, {unsettled_charges} charges without exactly one paid order or a refund, {} offenders in all:\n  {}",
                 limit.as_secs_f64(),
-                verdict.pending,
+                tally.pending,
                 offenders.len(),
                 shown.join("\n  ")
             );
@@ -335,10 +335,10 @@ pub async fn wait_settled(
 /// Checks the settled database and every client operation against it: an operation answered 201
 /// is a key completed with that purchase, one answered the definitive 502 a key settled failed, one
 /// whose key is absent made no charge.
-pub async fn check(db: &Db, ops: &[OpReport], start_balance: i64) -> Result<Verdict> {
+pub async fn check(db: &Db, ops: &[OpReport], start_balance: i64) -> Result<Tally> {
     let snapshot = db.snapshot().await?;
-    let (mut verdict, mut bad) = invariants(&snapshot, start_balance);
-    verdict.operations = ops.len();
+    let (mut tally, mut bad) = invariants(&snapshot, start_balance);
+    tally.operations = ops.len();
     let keys: HashMap<(&str, &str), &KeyRow> = snapshot
         .keys
         .iter()
@@ -376,7 +376,7 @@ pub async fn check(db: &Db, ops: &[OpReport], start_balance: i64) -> Result<Verd
                 "{who}: the client got the definitive 502 but the key is {:?}",
                 k.map(|k| (&k.state, k.status))
             )),
-            (_, None) => verdict.failed_retryable += 1,
+            (_, None) => tally.failed_retryable += 1,
             _ => {}
         }
     }
@@ -384,13 +384,9 @@ pub async fn check(db: &Db, ops: &[OpReport], start_balance: i64) -> Result<Verd
         for b in bad.iter().take(30) {
             eprintln!("VIOLATION {b}");
         }
-        bail!(
-            "{} violations ({} keys pending)",
-            bad.len(),
-            verdict.pending
-        );
+        bail!("{} violations ({} keys pending)", bad.len(), tally.pending);
     }
-    Ok(verdict)
+    Ok(tally)
 }
 
 #[cfg(test)]
@@ -459,14 +455,10 @@ mod tests {
 
     #[test]
     fn a_settled_run_passes() {
-        let (verdict, bad) = invariants(&healthy(), START);
+        let (tally, bad) = invariants(&healthy(), START);
         assert!(bad.is_empty(), "{bad:?}");
         assert_eq!(
-            (
-                verdict.executed_once,
-                verdict.settled_failed,
-                verdict.refused
-            ),
+            (tally.executed_once, tally.settled_failed, tally.refused),
             (1, 1, 1)
         );
     }

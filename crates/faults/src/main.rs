@@ -25,7 +25,7 @@ mod scenarios;
 mod shop_process;
 
 use clap::{Parser, ValueEnum};
-use scenarios::{Backend, Shutdown};
+use scenarios::{ShopDatabase, Shutdown};
 use std::{
     path::PathBuf,
     time::{Duration, Instant},
@@ -49,12 +49,12 @@ impl Scenario {
     /// Whether the scenario runs on `backend`: a lost COMMIT acknowledgement and a database
     /// restart or crash need a database server; the queue consumer's scenario runs its shop on
     /// PostgreSQL; a full disk is made under the SQLite files.
-    fn runs_on(self, backend: Backend) -> bool {
+    fn runs_on(self, backend: ShopDatabase) -> bool {
         match self {
             Scenario::LostAck | Scenario::DbRestart | Scenario::DbCrash => backend.is_server(),
-            Scenario::ConsumerKill9 => backend == Backend::Postgres,
+            Scenario::ConsumerKill9 => backend == ShopDatabase::Postgres,
             // A full disk under the shop's own files: a tmpfs this process mounts.
-            Scenario::DiskFull => backend == Backend::Sqlite,
+            Scenario::DiskFull => backend == ShopDatabase::Sqlite,
             _ => true,
         }
     }
@@ -77,7 +77,7 @@ struct Args {
     /// Backends to run them on (default: postgres, mysql and sqlite). A scenario that needs a
     /// database server is not run on SQLite.
     #[arg(long, value_enum, value_delimiter = ',')]
-    backend: Vec<Backend>,
+    backend: Vec<ShopDatabase>,
     /// SIGKILLs in the kill9 scenario.
     #[arg(long, default_value_t = 20)]
     kills: usize,
@@ -165,8 +165,12 @@ async fn main() {
     } else {
         args.only.clone()
     };
-    let backends: Vec<Backend> = if args.backend.is_empty() {
-        vec![Backend::Postgres, Backend::Mysql, Backend::Sqlite]
+    let backends: Vec<ShopDatabase> = if args.backend.is_empty() {
+        vec![
+            ShopDatabase::Postgres,
+            ShopDatabase::Mysql,
+            ShopDatabase::Sqlite,
+        ]
     } else {
         args.backend.clone()
     };
@@ -202,7 +206,7 @@ async fn run(
     env: &scenarios::Env,
     rabbitmq_ctl: &[String],
     scenario: Scenario,
-    backend: Backend,
+    backend: ShopDatabase,
 ) -> anyhow::Result<()> {
     match scenario {
         Scenario::Kill9 => scenarios::kill9(env, backend, args.kills).await,

@@ -5,7 +5,7 @@
 //! `PRAGMA integrity_check`.
 
 use crate::{
-    checks::{check, wait_settled, Verdict},
+    checks::{check, wait_settled, Tally},
     client::{purchase_until_settled, OpReport, Settled},
     command,
     db::Db,
@@ -69,7 +69,7 @@ pub(crate) fn as_strs(args: &[String]) -> Vec<&str> {
 
 /// Where a scenario keeps the shop's tables.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum Backend {
+pub enum ShopDatabase {
     /// A fresh PostgreSQL database on the server of `TEST_POSTGRES_URL`.
     Postgres,
     /// A SQLite file in a temporary folder (the shop's embedded default).
@@ -78,19 +78,19 @@ pub enum Backend {
     Mysql,
 }
 
-impl Backend {
+impl ShopDatabase {
     /// Whether the backend is a database server (which can restart, and whose COMMIT reply
     /// can be lost on the network).
     pub fn is_server(self) -> bool {
-        self != Backend::Sqlite
+        self != ShopDatabase::Sqlite
     }
 
     /// A fresh database on this backend's server.
     async fn fresh_server_database(self) -> Result<String> {
         let harness = match self {
-            Backend::Postgres => test_support::Backend::Postgres,
-            Backend::Mysql => test_support::Backend::MySql,
-            Backend::Sqlite => bail!("SQLite has no server"),
+            ShopDatabase::Postgres => test_support::TestDatabase::Postgres,
+            ShopDatabase::Mysql => test_support::TestDatabase::MySql,
+            ShopDatabase::Sqlite => bail!("SQLite has no server"),
         };
         let database = harness.fresh_database().await.with_context(|| {
             format!(
@@ -104,7 +104,7 @@ impl Backend {
     /// The wire protocol of this backend's server, for the fault proxy.
     fn protocol(self) -> Protocol {
         match self {
-            Backend::Mysql => Protocol::Mysql,
+            ShopDatabase::Mysql => Protocol::Mysql,
             _ => Protocol::Postgres,
         }
     }
@@ -112,18 +112,18 @@ impl Backend {
     /// The command controlling this backend's server.
     fn ctl(self, env: &Env) -> &[String] {
         match self {
-            Backend::Mysql => &env.mysql_ctl,
+            ShopDatabase::Mysql => &env.mysql_ctl,
             _ => &env.postgres_ctl,
         }
     }
 }
 
-impl std::fmt::Display for Backend {
+impl std::fmt::Display for ShopDatabase {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
-            Backend::Postgres => "postgres",
-            Backend::Sqlite => "sqlite",
-            Backend::Mysql => "mysql",
+            ShopDatabase::Postgres => "postgres",
+            ShopDatabase::Sqlite => "sqlite",
+            ShopDatabase::Mysql => "mysql",
         })
     }
 }
@@ -137,13 +137,13 @@ pub struct FreshDatabase {
 }
 
 impl FreshDatabase {
-    async fn new(backend: Backend) -> Result<Self> {
+    async fn new(backend: ShopDatabase) -> Result<Self> {
         Ok(match backend {
-            Backend::Postgres | Backend::Mysql => FreshDatabase {
+            ShopDatabase::Postgres | ShopDatabase::Mysql => FreshDatabase {
                 url: backend.fresh_server_database().await?,
                 scratch: None,
             },
-            Backend::Sqlite => {
+            ShopDatabase::Sqlite => {
                 let scratch = tempfile::tempdir()?;
                 FreshDatabase {
                     url: format!("sqlite://{}", scratch.path().join("shop.db").display()),
@@ -254,7 +254,7 @@ pub(crate) async fn settle_and_check(
     env: &Env,
     database_url: &str,
     ops: &[OpReport],
-) -> Result<Verdict> {
+) -> Result<Tally> {
     let db = Db::connect(database_url).await?;
     let (took, _) = wait_settled(&db, START_BALANCE_CENTS, env.settle_limit).await?;
     if took > Duration::from_secs(1) {
@@ -263,13 +263,13 @@ pub(crate) async fn settle_and_check(
             took.as_secs_f64()
         );
     }
-    let verdict = check(&db, ops, START_BALANCE_CENTS).await;
+    let tally = check(&db, ops, START_BALANCE_CENTS).await;
     let integrity = db.integrity_check().await;
     db.close().await;
     if integrity? {
         println!("faults: PRAGMA integrity_check of both SQLite files (shop, providers): ok");
     }
-    verdict
+    tally
 }
 
 /// What the clients saw during an outage (a database restart, a full disk).
@@ -322,9 +322,9 @@ impl std::fmt::Display for Outage {
     }
 }
 
-pub(crate) fn print_verdict(name: &str, v: &Verdict) {
+pub(crate) fn print_verdict(name: &str, v: &Tally) {
     println!(
-        "faults: {name}: verdict: operations {}, executed once {}, settled failed {}, refused {}, needs_review {}, failed-retryable {}, pending {}, charges {}, refunded {}, duplicated {}",
+        "faults: {name}: tally: operations {}, executed once {}, settled failed {}, refused {}, needs_review {}, failed-retryable {}, pending {}, charges {}, refunded {}, duplicated {}",
         v.operations,
         v.executed_once,
         v.settled_failed,
@@ -340,7 +340,7 @@ pub(crate) fn print_verdict(name: &str, v: &Verdict) {
 
 /// SIGKILL the shop at random moments while clients keep retrying; then restart it, let its
 /// worker settle what the clients left, and check.
-pub async fn kill9(env: &Env, backend: Backend, kills: usize) -> Result<()> {
+pub async fn kill9(env: &Env, backend: ShopDatabase, kills: usize) -> Result<()> {
     let mut fresh = FreshDatabase::new(backend).await?;
     let db = fresh.url.clone();
     let mut args = env.shop_args();
@@ -371,8 +371,8 @@ pub async fn kill9(env: &Env, backend: Backend, kills: usize) -> Result<()> {
     );
     // Once more, then leave it alone: its worker resumes whatever is still pending.
     shop.restart().await?;
-    let verdict = match settle_and_check(env, &db, &ops).await {
-        Ok(verdict) => verdict,
+    let tally = match settle_and_check(env, &db, &ops).await {
+        Ok(tally) => tally,
         Err(e) => {
             let kept = fresh.keep();
             return Err(e.context(format!("{kept}; shop log {}", shop.log().display())));
@@ -394,14 +394,14 @@ pub async fn kill9(env: &Env, backend: Backend, kills: usize) -> Result<()> {
         seen.replays,
         seen.transport
     );
-    print_verdict(&format!("kill9 ({backend})"), &verdict);
-    ensure!(verdict.executed_once > 0, "nothing executed");
+    print_verdict(&format!("kill9 ({backend})"), &tally);
+    ensure!(tally.executed_once > 0, "nothing executed");
     Ok(())
 }
 
 /// A proxy cuts the connection right after forwarding the business COMMIT, before its reply
 /// (PostgreSQL's protocol or MariaDB's).
-pub async fn lost_ack(env: &Env, backend: Backend, trials: usize) -> Result<()> {
+pub async fn lost_ack(env: &Env, backend: ShopDatabase, trials: usize) -> Result<()> {
     let db = backend.fresh_server_database().await?;
     let (server, proxied_at) = server_address(&db)?;
     let upstream = tokio::net::lookup_host(server)
@@ -450,7 +450,7 @@ pub async fn lost_ack(env: &Env, backend: Backend, trials: usize) -> Result<()> 
         ops.push(op);
     }
     ensure!(!shop.panicked(), "the shop panicked");
-    let verdict = settle_and_check(env, &db, &ops).await?;
+    let tally = settle_and_check(env, &db, &ops).await?;
     let seen = Outage::of(&ops);
     // The purchase is durable: the COMMIT whose reply is lost (its order step, or its last
     // step) did commit, and whoever holds the key next (the retry, or the shop's worker) goes on
@@ -462,12 +462,12 @@ pub async fn lost_ack(env: &Env, backend: Backend, trials: usize) -> Result<()> 
         seen.replays,
         trials - replayed_after_cut
     );
-    print_verdict("lost-ack", &verdict);
+    print_verdict("lost-ack", &tally);
     ensure!(
-        verdict.executed_once == trials && verdict.paid == trials,
+        tally.executed_once == trials && tally.paid == trials,
         "every trial must be one order and one charge ({} executed once, {} orders paid, {trials} trials)",
-        verdict.executed_once,
-        verdict.paid
+        tally.executed_once,
+        tally.paid
     );
     Ok(())
 }
@@ -509,10 +509,10 @@ pub enum Shutdown {
 
 impl Shutdown {
     /// The words appended to the backend's control command to go down this way.
-    fn action(self, backend: Backend) -> &'static [&'static str] {
+    fn action(self, backend: ShopDatabase) -> &'static [&'static str] {
         match (self, backend) {
             (Shutdown::Clean, _) => &["stop"],
-            (Shutdown::Crash, Backend::Mysql) => &["crash"],
+            (Shutdown::Crash, ShopDatabase::Mysql) => &["crash"],
             (Shutdown::Crash, _) => &["stop", "-m", "immediate"],
         }
     }
@@ -530,7 +530,7 @@ impl Shutdown {
 /// invariants hold. The crash is the proof of the reservation's relaxed durability on
 /// PostgreSQL (`synchronous_commit = off` for local work and durable operations): a reservation
 /// lost in the crash leaves nothing behind, because the work it guarded had not committed.
-pub async fn db_restart(env: &Env, backend: Backend, shutdown: Shutdown) -> Result<()> {
+pub async fn db_restart(env: &Env, backend: ShopDatabase, shutdown: Shutdown) -> Result<()> {
     let db = backend.fresh_server_database().await?;
     let mut shop = ShopProcess::start(&env.shop_bin, &db, &as_strs(&env.shop_args())).await?;
     let stop = Arc::new(AtomicBool::new(false));
@@ -547,7 +547,7 @@ pub async fn db_restart(env: &Env, backend: Backend, shutdown: Shutdown) -> Resu
     shop.wait_healthy(Duration::from_secs(10)).await?;
     ensure!(shop.starts == 1, "the shop had to be restarted");
     ensure!(!shop.panicked(), "the shop panicked");
-    let verdict = settle_and_check(env, &db, &ops).await?;
+    let tally = settle_and_check(env, &db, &ops).await?;
     let recovered = recover(env, &db).await?;
     let outage = Outage::of(&ops);
     let name = shutdown.scenario();
@@ -556,7 +556,7 @@ pub async fn db_restart(env: &Env, backend: Backend, shutdown: Shutdown) -> Resu
         restart_took.as_secs_f64(),
         ops.len()
     );
-    print_verdict(name, &verdict);
+    print_verdict(name, &tally);
     outage.ensure_seen_and_explained(match shutdown {
         Shutdown::Clean => "the restart",
         Shutdown::Crash => "the crash",
@@ -565,7 +565,7 @@ pub async fn db_restart(env: &Env, backend: Backend, shutdown: Shutdown) -> Resu
 
 /// A handler stalls past its lease while a retry takes the key over: the stale worker's commit
 /// is refused and rolled back; one charge in total.
-pub async fn slow_worker(env: &Env, backend: Backend, trials: usize) -> Result<()> {
+pub async fn slow_worker(env: &Env, backend: ShopDatabase, trials: usize) -> Result<()> {
     let fresh = FreshDatabase::new(backend).await?;
     let db = fresh.url.clone();
     let shop = ShopProcess::start(
@@ -627,9 +627,9 @@ pub async fn slow_worker(env: &Env, backend: Backend, trials: usize) -> Result<(
         );
         ops.push(op);
     }
-    let verdict = settle_and_check(env, &db, &ops).await?;
+    let tally = settle_and_check(env, &db, &ops).await?;
     println!("faults: slow-worker ({backend}): {trials} stalls past the lease, {fenced} stale workers refused with 409 (lease-lost or in-progress), {trials} takeovers executed");
-    print_verdict(&format!("slow-worker ({backend})"), &verdict);
+    print_verdict(&format!("slow-worker ({backend})"), &tally);
     ensure!(
         fenced == trials,
         "every stale worker must be fenced ({fenced}/{trials})"
@@ -661,7 +661,7 @@ async fn send_once(
 }
 
 /// Hostile input: clear 4xx problem JSON, no panic, nothing stored.
-pub async fn hostile(env: &Env, backend: Backend) -> Result<()> {
+pub async fn hostile(env: &Env, backend: ShopDatabase) -> Result<()> {
     let fresh = FreshDatabase::new(backend).await?;
     let db = fresh.url.clone();
     let shop = ShopProcess::start(&env.shop_bin, &db, &[]).await?;
@@ -900,7 +900,7 @@ async fn shop_alive(shop: &ShopProcess) -> Result<()> {
 }
 
 /// User B sending user A's key and payload never receives A's stored response.
-pub async fn cross_tenant(env: &Env, backend: Backend, trials: usize) -> Result<()> {
+pub async fn cross_tenant(env: &Env, backend: ShopDatabase, trials: usize) -> Result<()> {
     let fresh = FreshDatabase::new(backend).await?;
     let db = fresh.url.clone();
     let shop = ShopProcess::start(&env.shop_bin, &db, &[]).await?;
@@ -952,9 +952,9 @@ pub async fn cross_tenant(env: &Env, backend: Backend, trials: usize) -> Result<
         ops.push(merge(alice, alice_again));
         ops.push(merge(bob, bob_again));
     }
-    let verdict = settle_and_check(env, &db, &ops).await?;
+    let tally = settle_and_check(env, &db, &ops).await?;
     println!("faults: cross-tenant ({backend}): {trials} keys sent by two users at once: {} separate executions, 0 responses crossed", 2 * trials);
-    print_verdict(&format!("cross-tenant ({backend})"), &verdict);
+    print_verdict(&format!("cross-tenant ({backend})"), &tally);
     Ok(())
 }
 
@@ -978,7 +978,7 @@ struct AbandonRun {
     answers: BTreeMap<u16, usize>,
     settle: Duration,
     by_worker: usize,
-    verdict: Verdict,
+    tally: Tally,
 }
 
 /// Purchases sent once each (a fresh key, never retried) while the shop is SIGKILLed at random
@@ -986,14 +986,14 @@ struct AbandonRun {
 /// `settle_limit` its own worker must leave no key pending and no charge without a paid or
 /// refunded order. Two runs on `backend`: with payment latency, and with provider faults (fail
 /// rate 0.5).
-pub async fn abandon(env: &Env, backend: Backend, kills: usize) -> Result<()> {
+pub async fn abandon(env: &Env, backend: ShopDatabase, kills: usize) -> Result<()> {
     let mut failed = Vec::new();
     for variant in [Variant::Latency, Variant::ProviderFaults] {
         let name = format!("{backend:?}/{variant:?}").to_lowercase();
         let started = Instant::now();
         match abandon_run(env, backend, variant, kills).await {
             Ok(run) => {
-                let v = &run.verdict;
+                let v = &run.tally;
                 println!(
                     "faults: abandon {name}: ok ({:.1}s): {} kills, payment latency {} ms; {} purchases sent once ({} more refused a connection while the shop was down), answers {}; settled {:.1}s after the last restart; keys {}: 201 {}, failed-settled {}, 402 {}, needs_review {}, settled by the worker {}; {} sent without a key left (released); charges {}, paid {}, refunded {}",
                     started.elapsed().as_secs_f64(),
@@ -1099,7 +1099,7 @@ async fn purchase_once(http: &reqwest::Client, url: &str, user: &str, body: &Val
 
 async fn abandon_run(
     env: &Env,
-    backend: Backend,
+    backend: ShopDatabase,
     variant: Variant,
     kills: usize,
 ) -> Result<AbandonRun> {
@@ -1167,14 +1167,14 @@ async fn abandon_run(
     let settled = wait_settled(&db, START_BALANCE_CENTS, env.settle_limit).await;
     let outcome = async {
         let (settle, _) = settled?;
-        let verdict = check(&db, &ops, START_BALANCE_CENTS).await?;
+        let tally = check(&db, &ops, START_BALANCE_CENTS).await?;
         db.integrity_check().await?;
         ensure!(
             !shop.panicked(),
             "the shop panicked; log {}",
             shop.log().display()
         );
-        ensure!(verdict.executed_once > 0, "nothing was bought");
+        ensure!(tally.executed_once > 0, "nothing was bought");
         // Settled by the worker: the client's only answer was none, or a non-final one (503
         // pending, 409 …), yet the key ended completed.
         let completed: HashSet<(String, String)> = db
@@ -1193,12 +1193,12 @@ async fn abandon_run(
                     && completed.contains(&(op.user.clone(), op.key.clone()))
             })
             .count();
-        Ok((settle, verdict, by_worker))
+        Ok((settle, tally, by_worker))
     }
     .await;
     shop.kill9().await?;
     db.close().await;
-    let (settle, verdict, by_worker) = match outcome {
+    let (settle, tally, by_worker) = match outcome {
         Ok(done) => done,
         Err(e) => {
             let kept = fresh.keep();
@@ -1219,6 +1219,6 @@ async fn abandon_run(
         answers,
         settle,
         by_worker,
-        verdict,
+        tally,
     })
 }

@@ -1,4 +1,4 @@
-//! The core consumer API alone (`idempotency::Consumer`), on a stand-in for any broker: the same
+//! The core inbox alone (`idempotency::Inbox`), on a stand-in for any broker: the same
 //! four answers map onto SQS, Kafka, NATS JetStream or a database queue (see `docs/queues.md`).
 //!
 //! The in-memory broker below delivers at least once: a publisher retries (every order is
@@ -10,7 +10,7 @@
 //! cargo run -p idempotency-amqp --example any_broker
 //! ```
 
-use idempotency::{Consumer, Decision, Idempotency, Message, SqliteStore, Store};
+use idempotency::{Attempt, DeliveryAction, Idempotency, Inbox, SqliteStore, Store};
 use serde::{Deserialize, Serialize};
 use std::{
     collections::VecDeque,
@@ -98,15 +98,15 @@ async fn main() -> anyhow::Result<()> {
         body: OrderPaid { order: 0, cents: 1 },
     });
 
-    let consumer = Consumer::new(Idempotency::new(store.clone()))
+    let inbox = Inbox::new(Idempotency::new(store.clone()))
         .with_max_failures(3)
         .with_retry_delay(Duration::from_millis(10));
     let crashed_once = Arc::new(AtomicBool::new(false));
     let workers: Vec<_> = (0..4)
         .map(|_| {
-            let (broker, consumer) = (broker.clone(), consumer.clone());
+            let (broker, inbox) = (broker.clone(), inbox.clone());
             let crashed_once = crashed_once.clone();
-            tokio::spawn(async move { consume(&broker, &consumer, &crashed_once).await })
+            tokio::spawn(async move { consume(&broker, &inbox, &crashed_once).await })
         })
         .collect();
     for worker in workers {
@@ -128,10 +128,10 @@ async fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// One consumer: receive, decide, settle, until the queue stays empty.
+/// One consumer: receive, handle, settle, until the queue stays empty.
 async fn consume(
     broker: &Arc<Broker>,
-    consumer: &Consumer<SqliteStore>,
+    inbox: &Inbox<SqliteStore>,
     crashed_once: &AtomicBool,
 ) -> anyhow::Result<()> {
     let mut idle = 0;
@@ -143,40 +143,40 @@ async fn consume(
         };
         idle = 0;
         // (scope, type, id, payload): the payload's canonical JSON is its fingerprint.
-        let message = Message::json("billing", "order.paid", &envelope.id, &envelope.body)?;
-        let paid = envelope.body.clone();
-        let decision = consumer
-            .handle(&message, move |tx| {
-                Box::pin(async move {
-                    if paid.order == 0 {
-                        return Err(format!("order {} does not exist", paid.order));
-                    }
-                    sqlx::query("INSERT INTO payments (order_id, cents) VALUES (?1, ?2)")
-                        .bind(paid.order)
-                        .bind(paid.cents)
-                        .execute(&mut **tx)
-                        .await
-                        .map_err(|e| e.to_string())?;
-                    Ok(())
-                })
+        let message = Attempt::message_json("billing", "order.paid", &envelope.id, &envelope.body)?;
+        let paid = &envelope.body; // borrowed by the work, no clone
+        let action = inbox
+            .handle(&message, async |tx| {
+                if paid.order == 0 {
+                    return Err(format!("order {} does not exist", paid.order));
+                }
+                sqlx::query("INSERT INTO payments (order_id, cents) VALUES (?1, ?2)")
+                    .bind(paid.order)
+                    .bind(paid.cents)
+                    .execute(&mut **tx)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                Ok(())
             })
             .await;
-        // The decision exists only once the business transaction has committed (or rolled
+        // The action exists only once the business transaction has committed (or rolled
         // back): settle the message now, never before.
-        match decision {
-            Decision::Ack { replayed: false } if !crashed_once.swap(true, Ordering::SeqCst) => {
+        match action {
+            DeliveryAction::Ack { replayed: false }
+                if !crashed_once.swap(true, Ordering::SeqCst) =>
+            {
                 // This consumer "dies" after its commit, before its ack: the broker redelivers
                 // the message after its visibility timeout, and that copy is acked as a replay.
                 broker.redeliver_after(envelope, Duration::from_millis(50));
             }
-            Decision::Ack { .. } => {} // delete the message
-            Decision::RetryLater { delay } | Decision::Retry { delay, .. } => {
+            DeliveryAction::Ack { .. } => {} // delete the message
+            DeliveryAction::RetryLater { delay } | DeliveryAction::Retry { delay, .. } => {
                 broker.redeliver_after(envelope, delay)
             }
-            Decision::DeadLetter(why) => {
+            DeliveryAction::DeadLetter(why) => {
                 broker.dead_letter(envelope, format!("[{}] {why}", why.code()))
             }
-            other => anyhow::bail!("a decision this example does not know: {other}"),
+            other => anyhow::bail!("an action this example does not know: {other}"),
         }
     }
     Ok(())

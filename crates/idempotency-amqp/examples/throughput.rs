@@ -2,7 +2,7 @@
 //!
 //! * (a) a **plain** lapin consumer: per delivery, a transaction with the business insert, commit,
 //!   `basic.ack`;
-//! * (b) the **idempotent** consumer ([`AmqpConsumer`] + [`Consumer::handle`]): per delivery, the
+//! * (b) the **idempotent** consumer ([`AmqpConsumer`] + [`Inbox::handle`]): per delivery, the
 //!   same insert, plus the key's reservation and completion;
 //! * (c) the idempotent consumer when **every message arrives twice** (deliveries per second: half
 //!   of them are replays).
@@ -22,7 +22,7 @@
 //! `--no-replay-first` (the engine skips its replay read before the reservation).
 
 use futures_util::{future::BoxFuture, StreamExt};
-use idempotency::{Consumer, Idempotency, PgStore, SqliteStore, Store};
+use idempotency::{Idempotency, Inbox, PgStore, SqliteStore, Store};
 use idempotency_amqp::{AmqpConsumer, Incoming, Topology};
 use lapin::{
     options::{
@@ -89,7 +89,7 @@ impl Options {
 trait Sink: Store + idempotency::CompletionSignal {
     const NAME: &'static str;
     fn insert<'t>(
-        tx: &'t mut sqlx::Transaction<'static, Self::Database>,
+        tx: &'t mut sqlx::Transaction<'_, Self::Database>,
         id: &'t str,
         body: &'t str,
     ) -> BoxFuture<'t, Result<(), sqlx::Error>>;
@@ -103,7 +103,7 @@ trait Sink: Store + idempotency::CompletionSignal {
 impl Sink for PgStore {
     const NAME: &'static str = "PostgreSQL";
     fn insert<'t>(
-        tx: &'t mut sqlx::Transaction<'static, sqlx::Postgres>,
+        tx: &'t mut sqlx::Transaction<'_, sqlx::Postgres>,
         id: &'t str,
         body: &'t str,
     ) -> BoxFuture<'t, Result<(), sqlx::Error>> {
@@ -147,7 +147,7 @@ impl Sink for PgStore {
 impl Sink for SqliteStore {
     const NAME: &'static str = "SQLite";
     fn insert<'t>(
-        tx: &'t mut sqlx::Transaction<'static, sqlx::Sqlite>,
+        tx: &'t mut sqlx::Transaction<'_, sqlx::Sqlite>,
         id: &'t str,
         body: &'t str,
     ) -> BoxFuture<'t, Result<(), sqlx::Error>> {
@@ -229,7 +229,7 @@ impl Variant {
     fn label(self) -> &'static str {
         match self {
             Variant::Plain => "(a) plain consumer: insert + commit + ack",
-            Variant::Idempotent => "(b) idempotent consumer (Consumer::handle)",
+            Variant::Idempotent => "(b) idempotent consumer (Inbox::handle)",
             Variant::IdempotentTwice => "(c) idempotent, every message delivered twice",
         }
     }
@@ -330,23 +330,21 @@ async fn measure<S: Sink>(
                 move |incoming: Incoming<S>| {
                     let done = done.clone();
                     async move {
-                        let id = incoming.message().key().key().to_owned();
+                        let id = incoming.attempt().key().key().to_owned();
                         let body = String::from_utf8_lossy(incoming.payload()).into_owned();
-                        let decision = incoming
-                            .handle(move |tx| {
-                                Box::pin(async move { S::insert(tx, &id, &body).await })
-                            })
+                        let action = incoming
+                            .handle(async move |tx| S::insert(tx, &id, &body).await)
                             .await;
-                        if decision.is_ack() {
+                        if action.is_ack() {
                             done.fetch_add(1, Ordering::Relaxed);
                         }
-                        decision
+                        action
                     }
                 }
             };
             let engine = Idempotency::new(store.clone()).with_replay_first(options.replay_first);
-            let consumer = Consumer::new(engine);
-            let running = AmqpConsumer::for_topology(channel, &topology, consumer, handler)
+            let inbox = Inbox::new(engine);
+            let running = AmqpConsumer::for_topology(channel, &topology, inbox, handler)
                 .with_prefetch(options.prefetch)
                 .with_concurrency(options.concurrency)
                 .spawn();

@@ -1,14 +1,14 @@
-//! The consumer loop: prefetch, a bounded number of deliveries in flight, one decision per
+//! The consumer loop: prefetch, a bounded number of deliveries in flight, one action per
 //! delivery turned into an ack, a delayed requeue or a dead letter, and a graceful shutdown.
 
 use crate::{
     headers,
-    incoming::{message_of, Incoming},
+    incoming::{attempt_of, Incoming},
     report::{ConsumerError, ConsumerReport, Settled},
     topology::{text, Topology},
 };
 use futures_util::{FutureExt, StreamExt};
-use idempotency::{CompletionSignal, Consumer, DeadLetter, Decision};
+use idempotency::{CompletionSignal, DeadLetter, DeliveryAction, Inbox};
 use lapin::{
     message::Delivery,
     options::{
@@ -38,56 +38,56 @@ use tracing::{field, Instrument};
 const DRAIN_WAIT: Duration = Duration::from_secs(5);
 
 /// What a consumer does with each delivery: usually build the request from the payload and call
-/// [`Incoming::handle`] (or [`Incoming::perform`]), and return its decision.
+/// [`Incoming::handle`] (or [`Incoming::perform`]), and return its [`DeliveryAction`].
 ///
-/// Any `Fn(Incoming<S>) -> impl Future<Output = Decision>` is a handler. A handler that panics
-/// outside the work (which [`Consumer::handle`] already catches and counts) dead-letters its
+/// Any `Fn(Incoming<S>) -> impl Future<Output = DeliveryAction>` is a handler. A handler that panics
+/// outside the work (which [`Inbox::handle`] already catches and counts) dead-letters its
 /// delivery as [`DeadLetter::Definitive`]: a panic before the work is a bug no redelivery fixes.
 ///
 /// ```
-/// use idempotency::{DeadLetter, SqliteStore, Decision};
+/// use idempotency::{DeadLetter, SqliteStore, DeliveryAction};
 /// use idempotency_amqp::Incoming;
 ///
 /// #[derive(serde::Deserialize)]
 /// struct OrderPaid { order: String }
 ///
-/// async fn ship(incoming: Incoming<SqliteStore>) -> Decision {
+/// async fn ship(incoming: Incoming<SqliteStore>) -> DeliveryAction {
 ///     let paid: OrderPaid = match incoming.json() {
 ///         Ok(paid) => paid,
-///         Err(e) => return Decision::DeadLetter(DeadLetter::Invalid(e.to_string())),
+///         Err(e) => return DeliveryAction::DeadLetter(DeadLetter::Invalid(e.to_string())),
 ///     };
 ///     incoming
-///         .handle(move |tx| Box::pin(async move {
+///         .handle(async |tx| {
 ///             sqlx::query("INSERT INTO shipments (order_id) VALUES (?1)")
 ///                 .bind(&paid.order)
 ///                 .execute(&mut **tx)
 ///                 .await?;
 ///             Ok::<_, sqlx::Error>(())
-///         }))
+///         })
 ///         .await
 /// }
 /// ```
 pub trait Handler<S: CompletionSignal>: Send + Sync + 'static {
     /// Decides one delivery.
-    fn handle(&self, incoming: Incoming<S>) -> impl Future<Output = Decision> + Send;
+    fn handle(&self, incoming: Incoming<S>) -> impl Future<Output = DeliveryAction> + Send;
 }
 
 impl<S, F, Fut> Handler<S> for F
 where
     S: CompletionSignal,
     F: Fn(Incoming<S>) -> Fut + Send + Sync + 'static,
-    Fut: Future<Output = Decision> + Send,
+    Fut: Future<Output = DeliveryAction> + Send,
 {
-    fn handle(&self, incoming: Incoming<S>) -> impl Future<Output = Decision> + Send {
+    fn handle(&self, incoming: Incoming<S>) -> impl Future<Output = DeliveryAction> + Send {
         self(incoming)
     }
 }
 
 /// An idempotent RabbitMQ consumer: each delivery's work runs at most once per message (see
-/// [`Consumer`]), and the delivery is settled only after the decision, so after the business
+/// [`Inbox`]), and the delivery is settled only after its [`DeliveryAction`], so after the business
 /// transaction committed.
 ///
-/// | decision | what is sent to the broker |
+/// | [`DeliveryAction`] | what is sent to the broker |
 /// |---|---|
 /// | `Ack` (executed or replayed) | `basic.ack` |
 /// | `RetryLater { delay }`, `Retry { delay, .. }` | the delivery is held for `delay` (at most [`with_max_hold`](Self::with_max_hold)), then `basic.nack` with requeue |
@@ -99,7 +99,7 @@ pub struct AmqpConsumer<S, H> {
     channel: Channel,
     queue: String,
     scope: String,
-    consumer: Consumer<S>,
+    inbox: Inbox<S>,
     handler: H,
     prefetch: u16,
     concurrency: usize,
@@ -124,12 +124,12 @@ impl<S: CompletionSignal, H: Handler<S>> AmqpConsumer<S, H> {
     /// A consumer of `queue` on `channel`: prefetch 32, 8 deliveries in flight, the queue's name
     /// as the keys' scope, requeue holds of at most 10 s, and no dead-letter exchange (dead
     /// letters are rejected; see [`for_topology`](Self::for_topology)).
-    pub fn new(channel: Channel, queue: &str, consumer: Consumer<S>, handler: H) -> Self {
+    pub fn new(channel: Channel, queue: &str, inbox: Inbox<S>, handler: H) -> Self {
         Self {
             channel,
             queue: queue.to_owned(),
             scope: queue.to_owned(),
-            consumer,
+            inbox,
             handler,
             prefetch: 32,
             concurrency: 8,
@@ -143,10 +143,10 @@ impl<S: CompletionSignal, H: Handler<S>> AmqpConsumer<S, H> {
     pub fn for_topology(
         channel: Channel,
         topology: &Topology,
-        consumer: Consumer<S>,
+        inbox: Inbox<S>,
         handler: H,
     ) -> Self {
-        Self::new(channel, topology.queue(), consumer, handler).with_dead_letter_exchange(
+        Self::new(channel, topology.queue(), inbox, handler).with_dead_letter_exchange(
             topology.dead_letter_exchange(),
             topology.dead_letter_routing_key(),
         )
@@ -220,7 +220,7 @@ impl<S: CompletionSignal, H: Handler<S>> AmqpConsumer<S, H> {
             channel,
             queue,
             scope,
-            consumer,
+            inbox,
             handler,
             prefetch,
             concurrency,
@@ -249,7 +249,7 @@ impl<S: CompletionSignal, H: Handler<S>> AmqpConsumer<S, H> {
         });
         let mut run = Run {
             settler,
-            consumer: Arc::new(consumer),
+            inbox: Arc::new(inbox),
             handler: Arc::new(handler),
             slots: Arc::new(Semaphore::new(concurrency)),
             tasks: JoinSet::new(),
@@ -297,7 +297,7 @@ async fn start(
 /// One run of a consumer: the delivery tasks, what they share, and the report so far.
 struct Run<S, H> {
     settler: Arc<Settler>,
-    consumer: Arc<Consumer<S>>,
+    inbox: Arc<Inbox<S>>,
     handler: Arc<H>,
     slots: Arc<Semaphore>,
     tasks: JoinSet<Settled>,
@@ -325,13 +325,13 @@ impl<S: CompletionSignal, H: Handler<S>> Run<S, H> {
             };
             match delivery {
                 Some(Ok(delivery)) => {
-                    let (settler, consumer, handler) = (
+                    let (settler, inbox, handler) = (
                         self.settler.clone(),
-                        self.consumer.clone(),
+                        self.inbox.clone(),
                         self.handler.clone(),
                     );
                     self.tasks.spawn(async move {
-                        let settled = settler.process(&consumer, &*handler, delivery).await;
+                        let settled = settler.process(&inbox, &*handler, delivery).await;
                         drop(slot);
                         settled
                     });
@@ -435,11 +435,11 @@ struct Settler {
 }
 
 impl Settler {
-    /// One delivery: its message, the handler's decision, and the settlement, in a span that
+    /// One delivery: its message, the handler's action, and the settlement, in a span that
     /// names the message and says whether the broker redelivered it.
     async fn process<S: CompletionSignal, H: Handler<S>>(
         &self,
-        consumer: &Consumer<S>,
+        inbox: &Inbox<S>,
         handler: &H,
         delivery: Delivery,
     ) -> Settled {
@@ -462,36 +462,36 @@ impl Settler {
         );
         self.in_flight.fetch_add(1, Ordering::Relaxed);
         let settled = async {
-            let decision = match message_of(&self.scope, &properties, routing_key.as_str(), &data) {
-                Err(reason) => Decision::DeadLetter(DeadLetter::Invalid(reason)),
-                Ok(message) => {
-                    let key = message.key();
+            let action = match attempt_of(&self.scope, &properties, routing_key.as_str(), &data) {
+                Err(reason) => DeliveryAction::DeadLetter(DeadLetter::Invalid(reason)),
+                Ok(attempt) => {
+                    let key = attempt.key();
                     span.record("message_id", key.key());
                     span.record("message_type", key.operation());
                     if redelivered {
                         tracing::debug!("redelivered by the broker");
                     }
                     let incoming = Incoming {
-                        message,
+                        attempt,
                         payload: data.clone(),
                         properties: properties.clone(),
                         routing_key: routing_key.to_string(),
                         redelivered,
-                        consumer: consumer.clone(),
+                        inbox: inbox.clone(),
                     };
                     match AssertUnwindSafe(handler.handle(incoming))
                         .catch_unwind()
                         .await
                     {
-                        Ok(decision) => decision,
-                        Err(panic) => Decision::DeadLetter(DeadLetter::Definitive(format!(
+                        Ok(action) => action,
+                        Err(panic) => DeliveryAction::DeadLetter(DeadLetter::Definitive(format!(
                             "the handler panicked: {}",
                             panic_message(&*panic)
                         ))),
                     }
                 }
             };
-            self.settle(&acker, &properties, &data, decision).await
+            self.settle(&acker, &properties, &data, action).await
         }
         .instrument(span.clone())
         .await;
@@ -499,16 +499,16 @@ impl Settler {
         settled
     }
 
-    /// Sends the broker what `decision` says.
+    /// Sends the broker what `action` says.
     async fn settle(
         &self,
         acker: &Acker,
         properties: &BasicProperties,
         data: &[u8],
-        decision: Decision,
+        action: DeliveryAction,
     ) -> Settled {
-        match decision {
-            Decision::Ack { replayed } => {
+        match action {
+            DeliveryAction::Ack { replayed } => {
                 tracing::debug!(replayed, "ack");
                 let settled = if replayed {
                     Settled::Replayed
@@ -517,17 +517,17 @@ impl Settler {
                 };
                 confirm(acker.ack(BasicAckOptions::default()).await, settled)
             }
-            Decision::DeadLetter(why) => {
+            DeliveryAction::DeadLetter(why) => {
                 tracing::warn!(code = why.code(), reason = %why, "dead-lettered");
                 self.dead_letter(acker, properties, data, &why).await
             }
             other => {
                 let delay = other.delay().unwrap_or(self.max_hold).min(self.max_hold);
                 let settled = match &other {
-                    Decision::RetryLater { .. } => Settled::RetriedLater,
+                    DeliveryAction::RetryLater { .. } => Settled::RetriedLater,
                     _ => Settled::Retried,
                 };
-                tracing::info!(decision = %other, "requeued after {delay:?}");
+                tracing::info!(action = %other, "requeued after {delay:?}");
                 self.hold(delay).await;
                 let requeue = BasicNackOptions {
                     requeue: true,

@@ -1,15 +1,15 @@
 //! One delivery as a handler sees it: the message's identity, its payload and properties, and
-//! the [`Consumer`] that runs its work once.
+//! the [`Inbox`] that runs its work once.
 
-use futures_util::future::BoxFuture;
 use idempotency::{
-    CompletionSignal, Consumer, Decision, FailureKind, InvalidMessage, Journal, Message, Operation,
+    Attempt, BoxError, CompletionSignal, DeliveryAction, FailureKind, Inbox, InvalidMessage,
+    Journal, Operation,
 };
 use lapin::BasicProperties;
 use serde::{de::DeserializeOwned, Serialize};
 use std::fmt;
 
-/// A delivery handed to a [`Handler`](crate::Handler). Its [`Message`] identifies it:
+/// A delivery handed to a [`Handler`](crate::Handler). Its [`Attempt`] identifies it:
 ///
 /// * **id**: the AMQP `message-id` property, which the producer sets once per logical message and
 ///   keeps on every resend (a delivery without one is dead-lettered as invalid);
@@ -20,18 +20,18 @@ use std::fmt;
 ///   (`application/json` or `…+json`; a body that is not JSON is dead-lettered as invalid), the
 ///   bytes otherwise.
 pub struct Incoming<S> {
-    pub(crate) message: Message,
+    pub(crate) attempt: Attempt,
     pub(crate) payload: Vec<u8>,
     pub(crate) properties: BasicProperties,
     pub(crate) routing_key: String,
     pub(crate) redelivered: bool,
-    pub(crate) consumer: Consumer<S>,
+    pub(crate) inbox: Inbox<S>,
 }
 
 impl<S> fmt::Debug for Incoming<S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Incoming")
-            .field("key", self.message.key())
+            .field("key", self.attempt.key())
             .field("bytes", &self.payload.len())
             .field("redelivered", &self.redelivered)
             .finish_non_exhaustive()
@@ -40,8 +40,8 @@ impl<S> fmt::Debug for Incoming<S> {
 
 impl<S: CompletionSignal> Incoming<S> {
     /// The message's identity: its idempotency key and payload fingerprint.
-    pub fn message(&self) -> &Message {
-        &self.message
+    pub fn attempt(&self) -> &Attempt {
+        &self.attempt
     }
 
     /// The body, as delivered.
@@ -50,7 +50,7 @@ impl<S: CompletionSignal> Incoming<S> {
     }
 
     /// The body, decoded from JSON. A handler answers a body it cannot decode with
-    /// `Decision::DeadLetter(DeadLetter::Invalid(..))`.
+    /// `DeliveryAction::DeadLetter(DeadLetter::Invalid(..))`.
     pub fn json<T: DeserializeOwned>(&self) -> Result<T, serde_json::Error> {
         serde_json::from_slice(&self.payload)
     }
@@ -70,62 +70,60 @@ impl<S: CompletionSignal> Incoming<S> {
         self.redelivered
     }
 
-    /// The consumer that runs the work.
-    pub fn consumer(&self) -> &Consumer<S> {
-        &self.consumer
+    /// The inbox that runs the work.
+    pub fn inbox(&self) -> &Inbox<S> {
+        &self.inbox
     }
 
     /// Runs `work` in the business transaction, at most once per message
-    /// ([`Consumer::handle`]).
-    pub async fn handle<R, E, F>(&self, work: F) -> Decision
+    /// ([`Inbox::handle`]). The work is the async closure of
+    /// [`Idempotency::run`](idempotency::Idempotency::run), `async |tx| { … }`, with the same error
+    /// bound.
+    pub async fn handle<R, E, F>(&self, work: F) -> DeliveryAction
     where
         R: Serialize + DeserializeOwned + Send,
-        E: fmt::Display + Send,
-        F: for<'t> FnOnce(
-                &'t mut sqlx::Transaction<'static, S::Database>,
-            ) -> BoxFuture<'t, Result<R, E>>
-            + Send,
+        E: Into<BoxError> + Send,
+        F: for<'c> AsyncFnOnce(&mut sqlx::Transaction<'c, S::Database>) -> Result<R, E> + Send,
     {
-        self.consumer.handle(&self.message, work).await
+        self.inbox.handle(&self.attempt, work).await
     }
 
     /// Like [`handle`](Self::handle), with `classify` deciding what the work's errors mean
-    /// ([`Consumer::handle_with`]).
-    pub async fn handle_with<R, E, F, C>(&self, classify: C, work: F) -> Decision
+    /// ([`Inbox::handle_with`]).
+    pub async fn handle_with<R, E, F, C>(&self, classify: C, work: F) -> DeliveryAction
     where
         R: Serialize + DeserializeOwned + Send,
-        E: fmt::Display + Send,
-        F: for<'t> FnOnce(
-                &'t mut sqlx::Transaction<'static, S::Database>,
-            ) -> BoxFuture<'t, Result<R, E>>
-            + Send,
+        E: Into<BoxError> + Send,
+        F: for<'c> AsyncFnOnce(&mut sqlx::Transaction<'c, S::Database>) -> Result<R, E> + Send,
         C: FnOnce(&E) -> FailureKind + Send,
     {
-        self.consumer
-            .handle_with(&self.message, classify, work)
-            .await
+        self.inbox.handle_with(&self.attempt, classify, work).await
     }
 
     /// Runs the durable operation `operation` for `request` under this message's scope and id
-    /// ([`Consumer::perform`]; the key's operation is the operation's name).
-    pub async fn perform<O: Operation<S>>(&self, operation: &O, request: &O::Request) -> Decision
+    /// ([`Inbox::perform`]; the key's operation is the operation's name).
+    pub async fn perform<O: Operation<S>>(
+        &self,
+        operation: &O,
+        request: &O::Request,
+    ) -> DeliveryAction
     where
         S: Journal,
     {
-        let key = self.message.key();
-        self.consumer
+        let key = self.attempt.key();
+        self.inbox
             .perform(key.scope(), key.key(), operation, request)
             .await
     }
 }
 
-/// The [`Message`] of a delivery in `scope`, or why it has none.
-pub(crate) fn message_of(
+/// The [`Attempt`] of a delivery in `scope`, or why it has none.
+pub(crate) fn attempt_of(
     scope: &str,
     properties: &BasicProperties,
     routing_key: &str,
     payload: &[u8],
-) -> Result<Message, String> {
+) -> Result<Attempt, String> {
     let id = match properties.message_id() {
         Some(id) if !id.as_str().is_empty() => id.as_str(),
         _ => {
@@ -144,12 +142,12 @@ pub(crate) fn message_of(
         .content_type()
         .as_ref()
         .is_some_and(|content_type| is_json(content_type.as_str()));
-    let message = if json {
-        Message::json_bytes(scope, message_type, id, payload)
+    let attempt = if json {
+        Attempt::message_json_bytes(scope, message_type, id, payload)
     } else {
-        Message::bytes(scope, message_type, id, payload)
+        Attempt::message_bytes(scope, message_type, id, payload)
     };
-    message.map_err(|error: InvalidMessage| error.to_string())
+    attempt.map_err(|error: InvalidMessage| error.to_string())
 }
 
 /// Whether a content type is JSON: `application/json` or a `+json` suffix, parameters ignored.
@@ -181,20 +179,20 @@ mod tests {
         let properties = BasicProperties::default()
             .with_message_id("m-1".into())
             .with_content_type("application/json".into());
-        let message = message_of("orders", &properties, "order.paid", br#"{"b":1,"a":2}"#).unwrap();
+        let message = attempt_of("orders", &properties, "order.paid", br#"{"b":1,"a":2}"#).unwrap();
         assert_eq!(message.key().to_string(), "orders/order.paid/m-1");
-        let reordered = message_of("orders", &properties, "order.paid", br#"{"a":2,"b":1}"#);
+        let reordered = attempt_of("orders", &properties, "order.paid", br#"{"a":2,"b":1}"#);
         assert_eq!(reordered.unwrap().fingerprint(), message.fingerprint());
 
         let typed = properties.clone().with_type("invoice.sent".into());
-        let message = message_of("orders", &typed, "ignored", b"{}").unwrap();
+        let message = attempt_of("orders", &typed, "ignored", b"{}").unwrap();
         assert_eq!(message.key().operation(), "invoice.sent");
 
-        assert!(message_of("orders", &properties, "t", b"not json")
+        assert!(attempt_of("orders", &properties, "t", b"not json")
             .unwrap_err()
             .contains("not JSON"));
         let anonymous = BasicProperties::default();
-        assert!(message_of("orders", &anonymous, "t", b"")
+        assert!(attempt_of("orders", &anonymous, "t", b"")
             .unwrap_err()
             .contains("message-id"));
     }

@@ -1,6 +1,6 @@
 //! An idempotent RabbitMQ consumer on [`lapin`]: **exactly-once effects** in the consumer's
 //! database on **at-least-once delivery**, with the [`idempotency`] crate's
-//! [`Consumer`](idempotency::Consumer).
+//! [`Inbox`](idempotency::Inbox).
 //!
 //! # What the consumer does, per delivery
 //!
@@ -10,7 +10,8 @@
 //!    queue, the delivery tag, the message id and type, and the broker's `redelivered` flag.
 //! 2. Calls the [`Handler`], which runs the work with [`Incoming::handle`]: reserve the key,
 //!    run the work in the business transaction, complete the key in that transaction, commit.
-//! 3. Settles the delivery **after** the decision, so after the commit: ack (executed or
+//! 3. Settles the delivery **after** the handler's
+//!    [`DeliveryAction`](idempotency::DeliveryAction), so after the commit: ack (executed or
 //!    replayed); a delayed requeue (in progress elsewhere, or a failure with the key released);
 //!    or a dead letter with its reason. A crash between the commit and the ack costs a
 //!    redelivery, which is acked as a replay.
@@ -21,17 +22,17 @@
 //! running. [`Topology`] declares the queue with its dead-letter exchange and queue.
 //!
 //! ```no_run
-//! use idempotency::{SqliteStore, Store, Consumer, Decision, Idempotency};
+//! use idempotency::{DeliveryAction, Idempotency, Inbox, SqliteStore, Store};
 //! use idempotency_amqp::{AmqpConsumer, Incoming, Topology};
 //! use lapin::{Connection, ConnectionProperties};
 //!
-//! async fn ship(incoming: Incoming<SqliteStore>) -> Decision {
+//! async fn ship(incoming: Incoming<SqliteStore>) -> DeliveryAction {
 //!     let order = String::from_utf8_lossy(incoming.payload()).into_owned();
 //!     incoming
-//!         .handle(move |tx| Box::pin(async move {
+//!         .handle(async |tx| {
 //!             sqlx::query("INSERT INTO shipments (order_id) VALUES (?1)").bind(&order).execute(&mut **tx).await?;
 //!             Ok::<_, sqlx::Error>(())
-//!         }))
+//!         })
 //!         .await
 //! }
 //!
@@ -43,8 +44,8 @@
 //! let topology = Topology::new("shipments");
 //! topology.declare(&channel).await?;
 //!
-//! let consumer = Consumer::new(Idempotency::new(store)).with_max_failures(5);
-//! let running = AmqpConsumer::for_topology(channel, &topology, consumer, ship)
+//! let inbox = Inbox::new(Idempotency::new(store)).with_max_failures(5);
+//! let running = AmqpConsumer::for_topology(channel, &topology, inbox, ship)
 //!     .with_prefetch(32)
 //!     .with_concurrency(8)
 //!     .spawn();

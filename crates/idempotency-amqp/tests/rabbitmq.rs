@@ -6,9 +6,9 @@
 mod common;
 
 use common::{
-    broker, delete, json_properties, publish, publisher, ready, unique, wait_until, Backend, WAIT,
+    broker, delete, json_properties, publish, publisher, ready, unique, wait_until, TestStore, WAIT,
 };
-use idempotency::{Consumer, Decision, Idempotency, SqliteStore};
+use idempotency::{DeliveryAction, Idempotency, Inbox, SqliteStore};
 use idempotency_amqp::{headers, AmqpConsumer, Incoming, Topology};
 use lapin::{
     options::BasicGetOptions,
@@ -26,8 +26,8 @@ use std::{
 use tokio::sync::Notify;
 
 /// A consumer with short delays, so that tests do not wait.
-fn consumer<S: Backend>(store: &S) -> Consumer<S> {
-    Consumer::new(Idempotency::new(store.clone()))
+fn inbox<S: TestStore>(store: &S) -> Inbox<S> {
+    Inbox::new(Idempotency::new(store.clone()))
         .with_max_failures(3)
         .with_retry_delay(Duration::from_millis(20))
         .with_max_retry_delay(Duration::from_millis(50))
@@ -35,31 +35,31 @@ fn consumer<S: Backend>(store: &S) -> Consumer<S> {
 
 /// The handler of most tests: applies the message (a row with its id and body), or fails when
 /// the body holds `"fail"`; counts the acks it answered.
-fn applying<S: Backend>(
+fn applying<S: TestStore>(
     acks: Arc<AtomicU64>,
-) -> impl Fn(Incoming<S>) -> futures_util::future::BoxFuture<'static, Decision> + Send + Sync + 'static
-{
+) -> impl Fn(Incoming<S>) -> futures_util::future::BoxFuture<'static, DeliveryAction>
+       + Send
+       + Sync
+       + 'static {
     move |incoming: Incoming<S>| {
         let acks = acks.clone();
         Box::pin(async move {
-            let id = incoming.message().key().key().to_owned();
+            let id = incoming.attempt().key().key().to_owned();
             let body = String::from_utf8_lossy(incoming.payload()).into_owned();
-            let decision = incoming
-                .handle(move |tx| {
-                    Box::pin(async move {
-                        if body.contains("fail") {
-                            return Err(format!("cannot apply {body}"));
-                        }
-                        S::apply(tx, &id, &body).await.map_err(|e| e.to_string())?;
-                        tokio::time::sleep(Duration::from_millis(1)).await;
-                        Ok(())
-                    })
+            let action = incoming
+                .handle(async move |tx| {
+                    if body.contains("fail") {
+                        return Err(format!("cannot apply {body}"));
+                    }
+                    S::apply(tx, &id, &body).await.map_err(|e| e.to_string())?;
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                    Ok(())
                 })
                 .await;
-            if decision.is_ack() {
+            if action.is_ack() {
                 acks.fetch_add(1, Ordering::SeqCst);
             }
-            decision
+            action
         })
     }
 }
@@ -72,7 +72,7 @@ test_support::backend_tests! {
 
 /// 150 messages, each published two or three times (a publisher's retries), consumed by two
 /// competing consumers on their own connections: every message applied exactly once.
-async fn duplicates_are_applied_once<S: Backend>(store: S) {
+async fn duplicates_are_applied_once<S: TestStore>(store: S) {
     const MESSAGES: usize = 150;
     let Some(connection) = broker().await else {
         return;
@@ -115,7 +115,7 @@ async fn duplicates_are_applied_once<S: Backend>(store: S) {
             AmqpConsumer::for_topology(
                 channel,
                 &topology,
-                consumer(&store).with_in_progress_wait(wait),
+                inbox(&store).with_in_progress_wait(wait),
                 applying::<S>(acks.clone()),
             )
             .with_prefetch(16)
@@ -254,7 +254,7 @@ async fn poison_mismatched_and_invalid_messages_are_dead_lettered_with_their_rea
     let acks = Arc::new(AtomicU64::new(0));
     let channel = connection.create_channel().await.unwrap();
     let running =
-        AmqpConsumer::for_topology(channel, &topology, consumer(&store), applying(acks.clone()))
+        AmqpConsumer::for_topology(channel, &topology, inbox(&store), applying(acks.clone()))
             .spawn();
     wait_until("order-1 is applied", || {
         let acks = acks.clone();
@@ -349,17 +349,15 @@ async fn shutdown_finishes_deliveries_in_flight_and_requeues_the_rest() {
             async move {
                 entered.fetch_add(1, Ordering::SeqCst);
                 gate.notified().await;
-                let id = incoming.message().key().key().to_owned();
+                let id = incoming.attempt().key().key().to_owned();
                 incoming
-                    .handle(move |tx| {
-                        Box::pin(async move { SqliteStore::apply(tx, &id, "{}").await })
-                    })
+                    .handle(async move |tx| SqliteStore::apply(tx, &id, "{}").await)
                     .await
             }
         }
     };
     let channel = connection.create_channel().await.unwrap();
-    let running = AmqpConsumer::for_topology(channel, &topology, consumer(&store), gated)
+    let running = AmqpConsumer::for_topology(channel, &topology, inbox(&store), gated)
         .with_prefetch(MESSAGES as u16)
         .with_concurrency(2)
         .spawn();
@@ -403,7 +401,7 @@ async fn shutdown_finishes_deliveries_in_flight_and_requeues_the_rest() {
     let acks = Arc::new(AtomicU64::new(0));
     let channel = connection.create_channel().await.unwrap();
     let running =
-        AmqpConsumer::for_topology(channel, &topology, consumer(&store), applying(acks.clone()))
+        AmqpConsumer::for_topology(channel, &topology, inbox(&store), applying(acks.clone()))
             .spawn();
     wait_until("the rest is applied", || {
         let acks = acks.clone();
@@ -445,18 +443,17 @@ async fn a_crash_between_commit_and_ack_is_redelivered_and_acked_as_a_replay() {
         move |incoming: Incoming<SqliteStore>| {
             let committed = committed.clone();
             async move {
-                let decision = incoming
-                    .handle(|tx| SqliteStore::apply(tx, "order-7", "{}"))
+                let action = incoming
+                    .handle(async |tx| SqliteStore::apply(tx, "order-7", "{}").await)
                     .await;
-                assert_eq!(decision, Decision::Ack { replayed: false });
+                assert_eq!(action, DeliveryAction::Ack { replayed: false });
                 committed.notify_one();
-                std::future::pending::<Decision>().await
+                std::future::pending::<DeliveryAction>().await
             }
         }
     };
     let channel = doomed.create_channel().await.unwrap();
-    let first =
-        AmqpConsumer::for_topology(channel, &topology, consumer(&store), hangs_after_commit);
+    let first = AmqpConsumer::for_topology(channel, &topology, inbox(&store), hangs_after_commit);
     let first = tokio::spawn(first.run_until(std::future::pending()));
     tokio::time::timeout(WAIT, committed.notified())
         .await
@@ -475,21 +472,20 @@ async fn a_crash_between_commit_and_ack_is_redelivered_and_acked_as_a_replay() {
                 (seen.clone(), redelivered.clone(), replayed.clone());
             async move {
                 redelivered.store(incoming.redelivered(), Ordering::SeqCst);
-                let decision = incoming
-                    .handle(|tx| SqliteStore::apply(tx, "order-7", "{}"))
+                let action = incoming
+                    .handle(async |tx| SqliteStore::apply(tx, "order-7", "{}").await)
                     .await;
                 replayed.store(
-                    decision == Decision::Ack { replayed: true },
+                    action == DeliveryAction::Ack { replayed: true },
                     Ordering::SeqCst,
                 );
                 seen.store(true, Ordering::SeqCst);
-                decision
+                action
             }
         }
     };
     let channel = survivor.create_channel().await.unwrap();
-    let second =
-        AmqpConsumer::for_topology(channel, &topology, consumer(&store), observing).spawn();
+    let second = AmqpConsumer::for_topology(channel, &topology, inbox(&store), observing).spawn();
     wait_until("the redelivery is handled", || {
         let seen = seen.clone();
         async move { seen.load(Ordering::SeqCst) }
@@ -535,12 +531,12 @@ async fn a_quorum_queue_dead_letters_a_message_that_keeps_crashing_the_consumer(
                 let started = started.clone();
                 async move {
                     started.notify_one();
-                    std::future::pending::<Decision>().await
+                    std::future::pending::<DeliveryAction>().await
                 }
             }
         };
         let channel = process.create_channel().await.unwrap();
-        let consumer = AmqpConsumer::for_topology(channel, &topology, consumer(&store), crashing);
+        let consumer = AmqpConsumer::for_topology(channel, &topology, inbox(&store), crashing);
         let task = tokio::spawn(consumer.run_until(std::future::pending()));
         tokio::time::timeout(WAIT, started.notified())
             .await

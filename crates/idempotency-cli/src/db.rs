@@ -11,7 +11,7 @@ use std::{fmt, str::FromStr, time::Duration};
 
 /// The three backends the CLI speaks to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Backend {
+pub enum DatabaseKind {
     /// `postgres://` or `postgresql://`.
     Postgres,
     /// `sqlite:`.
@@ -24,7 +24,7 @@ pub enum Backend {
 #[derive(Debug, Clone)]
 pub struct DatabaseUrl {
     /// The backend.
-    pub backend: Backend,
+    pub backend: DatabaseKind,
     url: String,
 }
 
@@ -35,9 +35,9 @@ impl FromStr for DatabaseUrl {
         let scheme = url.split_once(':').map(|(s, _)| s.to_ascii_lowercase());
         let backend =
             match scheme.as_deref() {
-                Some("postgres" | "postgresql") => Backend::Postgres,
-                Some("sqlite") => Backend::Sqlite,
-                Some("mysql" | "mariadb") => Backend::MySql,
+                Some("postgres" | "postgresql") => DatabaseKind::Postgres,
+                Some("sqlite") => DatabaseKind::Sqlite,
+                Some("mysql" | "mariadb") => DatabaseKind::MySql,
                 _ => return Err(
                     "expected a postgres://, postgresql://, sqlite:, mysql:// or mariadb:// URL"
                         .into(),
@@ -109,12 +109,12 @@ pub async fn connect(url: &DatabaseUrl, timeout: Duration, create: bool) -> Resu
     // One direct connection first: a pool reports only "timed out" where the server said
     // "connection refused" or "password authentication failed".
     match url.backend {
-        Backend::Postgres => probe::<sqlx::PgConnection>(url, timeout).await?,
-        Backend::MySql => probe::<sqlx::MySqlConnection>(url, timeout).await?,
-        Backend::Sqlite => {}
+        DatabaseKind::Postgres => probe::<sqlx::PgConnection>(url, timeout).await?,
+        DatabaseKind::MySql => probe::<sqlx::MySqlConnection>(url, timeout).await?,
+        DatabaseKind::Sqlite => {}
     }
     Ok(match url.backend {
-        Backend::Postgres => AnyStore::Postgres(PgStore::new(
+        DatabaseKind::Postgres => AnyStore::Postgres(PgStore::new(
             PgPoolOptions::new()
                 .max_connections(4)
                 .acquire_timeout(timeout)
@@ -122,7 +122,7 @@ pub async fn connect(url: &DatabaseUrl, timeout: Duration, create: bool) -> Resu
                 .await
                 .with_context(context)?,
         )),
-        Backend::MySql => AnyStore::MySql(MySqlStore::new(
+        DatabaseKind::MySql => AnyStore::MySql(MySqlStore::new(
             MySqlPoolOptions::new()
                 .max_connections(4)
                 .acquire_timeout(timeout)
@@ -130,7 +130,7 @@ pub async fn connect(url: &DatabaseUrl, timeout: Duration, create: bool) -> Resu
                 .await
                 .with_context(context)?,
         )),
-        Backend::Sqlite => {
+        DatabaseKind::Sqlite => {
             let options = SqliteConnectOptions::from_str(&url.url)
                 .with_context(context)?
                 .create_if_missing(create)
@@ -175,18 +175,18 @@ async fn probe<C: sqlx::Connection>(url: &DatabaseUrl, timeout: Duration) -> Res
 
 #[cfg(test)]
 mod tests {
-    use super::{Backend, DatabaseUrl};
+    use super::{DatabaseKind, DatabaseUrl};
 
     #[test]
     fn knows_the_schemes() {
         let url: DatabaseUrl = "postgresql://idem:secret@db:5432/idem".parse().unwrap();
-        assert_eq!(url.backend, Backend::Postgres);
+        assert_eq!(url.backend, DatabaseKind::Postgres);
         assert_eq!(url.to_string(), "postgresql://idem:***@db:5432/idem");
         let url: DatabaseUrl = "mariadb://u@h/db".parse().unwrap();
-        assert_eq!(url.backend, Backend::MySql);
+        assert_eq!(url.backend, DatabaseKind::MySql);
         assert_eq!(url.to_string(), "mysql://u@h/db");
         let url: DatabaseUrl = "sqlite://keys.db?mode=rwc".parse().unwrap();
-        assert_eq!(url.backend, Backend::Sqlite);
+        assert_eq!(url.backend, DatabaseKind::Sqlite);
         assert!("redis://h".parse::<DatabaseUrl>().is_err());
         assert!("keys.db".parse::<DatabaseUrl>().is_err());
     }

@@ -5,7 +5,7 @@ use crate::{
     error::IdempotencyError,
     outcome::{AttemptRecord, AttemptResult, Outcome, Probe, StopReason, TransportKind},
     policy::{KeyFormat, KeyGenerator, RequestKey, Resendable, RetryPolicy},
-    retry::{classify, hint, is_idempotent, Inspected, Verdict},
+    retry::{classify, hint, is_idempotent, AfterAttempt, Inspected},
 };
 use http::{Extensions, HeaderValue, Method};
 use idempotency_wire::{
@@ -229,14 +229,14 @@ impl Operation {
     /// Stop (and why), or the pause before the next attempt.
     fn decide(
         &self,
-        verdict: Verdict,
+        after: AfterAttempt,
         number: u32,
         retry_after: Option<Duration>,
     ) -> Result<Duration, StopReason> {
-        let stop = match verdict {
-            Verdict::Final => Some(StopReason::Answered),
-            Verdict::KeyReused => Some(StopReason::KeyReused),
-            Verdict::RetryIfResendable if !self.resendable => Some(StopReason::NotRetryable),
+        let stop = match after {
+            AfterAttempt::Final => Some(StopReason::Answered),
+            AfterAttempt::KeyReused => Some(StopReason::KeyReused),
+            AfterAttempt::RetryIfResendable if !self.resendable => Some(StopReason::NotRetryable),
             _ if !self.replayable => Some(StopReason::BodyNotReplayable),
             _ if number >= self.policy.max_attempts.max(1) => Some(StopReason::MaxAttempts),
             _ => None,
@@ -282,7 +282,7 @@ async fn read(
     number: u32,
     took: Duration,
     problem_base: &str,
-) -> (Read, AttemptRecord, Verdict) {
+) -> (Read, AttemptRecord, AfterAttempt) {
     let replayed = response
         .headers()
         .get(IDEMPOTENT_REPLAYED)
@@ -297,7 +297,7 @@ async fn read(
         Ok(inspected) => {
             let problem_type = inspected.problem_type();
             let problem = problem_type.and_then(|t| ProblemType::from_type_uri(t, problem_base));
-            let verdict = classify(status, replayed, retry_after, problem);
+            let after = classify(status, replayed, retry_after, problem);
             let record = AttemptRecord {
                 number,
                 result: AttemptResult::Status(status),
@@ -309,7 +309,7 @@ async fn read(
                 took,
                 pause: None,
             };
-            (Ok((inspected, replayed)), record, verdict)
+            (Ok((inspected, replayed)), record, after)
         }
         Err(error) => {
             let record = AttemptRecord {
@@ -326,7 +326,7 @@ async fn read(
                 took,
                 pause: None,
             };
-            (Err(error.into()), record, Verdict::RetryIfResendable)
+            (Err(error.into()), record, AfterAttempt::RetryIfResendable)
         }
     }
 }
@@ -336,29 +336,29 @@ fn failed(
     error: reqwest_middleware::Error,
     number: u32,
     took: Duration,
-) -> (Read, AttemptRecord, Verdict) {
-    let (result, verdict) = match &error {
+) -> (Read, AttemptRecord, AfterAttempt) {
+    let (result, after) = match &error {
         reqwest_middleware::Error::Reqwest(e) => {
             let kind = TransportKind::of(e);
-            let verdict = match kind {
-                TransportKind::Connect => Verdict::Retry,
+            let after = match kind {
+                TransportKind::Connect => AfterAttempt::Retry,
                 TransportKind::Timeout | TransportKind::Request | TransportKind::Body => {
-                    Verdict::RetryIfResendable
+                    AfterAttempt::RetryIfResendable
                 }
-                TransportKind::Other => Verdict::Final,
+                TransportKind::Other => AfterAttempt::Final,
             };
             let result = AttemptResult::Transport {
                 kind,
                 message: e.to_string(),
             };
-            (result, verdict)
+            (result, after)
         }
         reqwest_middleware::Error::Middleware(e) => (
             AttemptResult::Transport {
                 kind: TransportKind::Other,
                 message: e.to_string(),
             },
-            Verdict::Final,
+            AfterAttempt::Final,
         ),
     };
     let record = AttemptRecord {
@@ -372,7 +372,7 @@ fn failed(
         took,
         pause: None,
     };
-    (Err(error), record, verdict)
+    (Err(error), record, after)
 }
 
 impl IdempotencyMiddleware {
@@ -474,7 +474,7 @@ impl Middleware for IdempotencyMiddleware {
             let sent_at = Instant::now();
             let ran = send(this, left, extensions, next.clone()).await;
             let took = sent_at.elapsed();
-            let (answer, record, verdict) = match ran {
+            let (answer, record, after) = match ran {
                 // The deadline passed during an attempt without a timeout of its own.
                 None => return self.deadline_passed(operation, number, took),
                 Some(Ok(response)) => read(response, number, took, &self.problem_base).await,
@@ -485,7 +485,7 @@ impl Middleware for IdempotencyMiddleware {
             operation.outcome.attempts.push(record);
 
             // Decide: stop with this answer, or pause and send again.
-            let pause = match operation.decide(verdict, number, retry_after) {
+            let pause = match operation.decide(after, number, retry_after) {
                 Ok(pause) => pause,
                 Err(stop) => return self.stop(operation, answer, stop),
             };

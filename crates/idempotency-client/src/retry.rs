@@ -12,7 +12,7 @@ pub(crate) const INSPECT_LIMIT: u64 = 64 * 1024;
 
 /// What to do after one attempt.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Verdict {
+pub(crate) enum AfterAttempt {
     /// Give this answer back.
     Final,
     /// The 422 `key-reused`: the typed error.
@@ -65,23 +65,25 @@ pub(crate) fn classify(
     replayed: bool,
     retry_after: Option<Duration>,
     problem: Option<ProblemType>,
-) -> Verdict {
+) -> AfterAttempt {
     if replayed {
         // The server's stored answer: every retry would replay it again.
-        return Verdict::Final;
+        return AfterAttempt::Final;
     }
     match status.as_u16() {
-        408 => Verdict::RetryIfResendable,
+        408 => AfterAttempt::RetryIfResendable,
         409 => match problem {
-            Some(ProblemType::InProgress | ProblemType::LeaseLost) => Verdict::RetryIfResendable,
-            Some(ProblemType::NeedsReview) => Verdict::Final,
-            _ if retry_after.is_some() => Verdict::RetryIfResendable,
-            _ => Verdict::Final,
+            Some(ProblemType::InProgress | ProblemType::LeaseLost) => {
+                AfterAttempt::RetryIfResendable
+            }
+            Some(ProblemType::NeedsReview) => AfterAttempt::Final,
+            _ if retry_after.is_some() => AfterAttempt::RetryIfResendable,
+            _ => AfterAttempt::Final,
         },
-        422 if problem == Some(ProblemType::KeyReused) => Verdict::KeyReused,
-        429 | 500 if retry_after.is_some() => Verdict::RetryIfResendable,
-        502..=504 => Verdict::RetryIfResendable,
-        _ => Verdict::Final,
+        422 if problem == Some(ProblemType::KeyReused) => AfterAttempt::KeyReused,
+        429 | 500 if retry_after.is_some() => AfterAttempt::RetryIfResendable,
+        502..=504 => AfterAttempt::RetryIfResendable,
+        _ => AfterAttempt::Final,
     }
 }
 
@@ -178,7 +180,7 @@ fn is_json(headers: &HeaderMap) -> bool {
 mod tests {
     use super::*;
 
-    fn verdict(status: u16, problem: Option<ProblemType>, hint: Option<u64>) -> Verdict {
+    fn after(status: u16, problem: Option<ProblemType>, hint: Option<u64>) -> AfterAttempt {
         classify(
             StatusCode::from_u16(status).unwrap(),
             false,
@@ -189,39 +191,35 @@ mod tests {
 
     #[test]
     fn the_rules() {
-        use Verdict::*;
+        use AfterAttempt::*;
         for status in [200, 201, 204, 301, 400, 401, 403, 404, 405, 410, 413, 415] {
-            assert_eq!(verdict(status, None, None), Final, "{status}");
-            assert_eq!(
-                verdict(status, None, Some(10)),
-                Final,
-                "{status} with a hint"
-            );
+            assert_eq!(after(status, None, None), Final, "{status}");
+            assert_eq!(after(status, None, Some(10)), Final, "{status} with a hint");
         }
-        assert_eq!(verdict(422, None, Some(10)), Final);
+        assert_eq!(after(422, None, Some(10)), Final);
         // 422 of the application's own (not one of the layer's problem types): final.
-        assert_eq!(verdict(422, None, None), Final);
-        assert_eq!(verdict(422, Some(ProblemType::KeyReused), None), KeyReused);
+        assert_eq!(after(422, None, None), Final);
+        assert_eq!(after(422, Some(ProblemType::KeyReused), None), KeyReused);
         assert_eq!(
-            verdict(409, Some(ProblemType::InProgress), None),
+            after(409, Some(ProblemType::InProgress), None),
             RetryIfResendable
         );
         assert_eq!(
-            verdict(409, Some(ProblemType::LeaseLost), None),
+            after(409, Some(ProblemType::LeaseLost), None),
             RetryIfResendable
         );
-        assert_eq!(verdict(409, Some(ProblemType::NeedsReview), Some(5)), Final);
+        assert_eq!(after(409, Some(ProblemType::NeedsReview), Some(5)), Final);
         // The application's own 409 (a duplicate e-mail): final without a hint.
-        assert_eq!(verdict(409, None, None), Final);
-        assert_eq!(verdict(409, None, Some(5)), RetryIfResendable);
-        assert_eq!(verdict(500, None, None), Final);
-        assert_eq!(verdict(500, None, Some(1000)), RetryIfResendable);
-        assert_eq!(verdict(429, None, None), Final);
-        assert_eq!(verdict(429, None, Some(1000)), RetryIfResendable);
+        assert_eq!(after(409, None, None), Final);
+        assert_eq!(after(409, None, Some(5)), RetryIfResendable);
+        assert_eq!(after(500, None, None), Final);
+        assert_eq!(after(500, None, Some(1000)), RetryIfResendable);
+        assert_eq!(after(429, None, None), Final);
+        assert_eq!(after(429, None, Some(1000)), RetryIfResendable);
         for status in [502, 503, 504, 408] {
-            assert_eq!(verdict(status, None, None), RetryIfResendable, "{status}");
+            assert_eq!(after(status, None, None), RetryIfResendable, "{status}");
         }
-        assert_eq!(verdict(501, None, None), Final);
+        assert_eq!(after(501, None, None), Final);
         let replayed_502 = classify(StatusCode::BAD_GATEWAY, true, None, None);
         assert_eq!(replayed_502, Final);
     }

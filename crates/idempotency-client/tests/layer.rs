@@ -17,7 +17,7 @@ use std::{
     },
     time::{Duration, Instant},
 };
-use test_support::Backend;
+use test_support::TestDatabase;
 
 /// A protected `POST /work`: sleeps `delay`, counts its executions, answers 201 with the run
 /// number; its `fail_first` executions answer 500 instead (the layer releases the key).
@@ -71,22 +71,22 @@ async fn app_on<S: CompletionSignal>(
 /// The app on `backend`'s store on the database at `url` (a second call: another instance of the
 /// service on the same database).
 async fn app_at(
-    backend: Backend,
+    backend: TestDatabase,
     url: &str,
     delay: Duration,
     fail_first: usize,
     wait: Option<Duration>,
 ) -> (String, Arc<AtomicUsize>, tokio::task::JoinHandle<()>) {
     match backend {
-        Backend::Sqlite => {
+        TestDatabase::Sqlite => {
             let store = SqliteStore::connect(url).await.unwrap();
             app_on(store, delay, fail_first, wait).await
         }
-        Backend::Postgres => {
+        TestDatabase::Postgres => {
             let store = PgStore::connect(url).await.unwrap();
             app_on(store, delay, fail_first, wait).await
         }
-        Backend::MySql => {
+        TestDatabase::MySql => {
             let store = MySqlStore::connect(url).await.unwrap();
             app_on(store, delay, fail_first, wait).await
         }
@@ -95,7 +95,7 @@ async fn app_at(
 
 /// The app on a fresh database of `backend`; `None` when it is skipped.
 async fn app(
-    backend: Backend,
+    backend: TestDatabase,
     delay: Duration,
     fail_first: usize,
     wait: Option<Duration>,
@@ -153,7 +153,7 @@ async fn double_clicks(url: &str, key: &str, n: usize) -> Vec<(u16, bool, Durati
     futures_util::future::join_all(copies).await
 }
 
-async fn waiting_duplicates_get_the_replay(backend: Backend) {
+async fn waiting_duplicates_get_the_replay(backend: TestDatabase) {
     let Some(app) = app(
         backend,
         Duration::from_millis(50),
@@ -178,7 +178,7 @@ async fn waiting_duplicates_get_the_replay(backend: Backend) {
     assert_eq!(app.runs.load(Ordering::SeqCst), 3, "one execution per key");
 }
 
-async fn the_wait_is_bounded(backend: Backend) {
+async fn the_wait_is_bounded(backend: TestDatabase) {
     let bound = Duration::from_millis(200);
     // The original runs for 3 s: a duplicate that waited without the bound would get its 201.
     let Some(app) = app(backend, Duration::from_secs(3), 0, Some(bound)).await else {
@@ -198,7 +198,7 @@ async fn the_wait_is_bounded(backend: Backend) {
     assert_eq!(original.await.unwrap()[0].0, 201);
 }
 
-async fn a_released_key_is_run_by_the_waiting_duplicate(backend: Backend) {
+async fn a_released_key_is_run_by_the_waiting_duplicate(backend: TestDatabase) {
     let Some(app) = app(
         backend,
         Duration::from_millis(100),
@@ -221,7 +221,7 @@ async fn a_released_key_is_run_by_the_waiting_duplicate(backend: Backend) {
 
 /// Without waiting, the 409's `Retry-After-Ms` is the operation's usual duration, and the
 /// client's retries land just after the original: no second-long pause.
-async fn the_millisecond_hint_shortens_the_retry(backend: Backend) {
+async fn the_millisecond_hint_shortens_the_retry(backend: TestDatabase) {
     let Some(app) = app(backend, Duration::from_millis(50), 0, None).await else {
         return;
     };
@@ -284,7 +284,9 @@ async fn the_millisecond_hint_shortens_the_retry(backend: Backend) {
 
 #[tokio::test]
 async fn key_reused_with_the_real_layer() {
-    let app = app(Backend::Sqlite, Duration::ZERO, 0, None).await.unwrap();
+    let app = app(TestDatabase::Sqlite, Duration::ZERO, 0, None)
+        .await
+        .unwrap();
     let client = client(RetryPolicy::default());
     let send = |amount: u32| {
         client
@@ -331,7 +333,7 @@ async fn postgres_notify_settled_reaches_a_listener() {
 /// Two instances of the service on one database (two pools, two layers, as two processes would
 /// be): duplicates sent to the second wait for the original running on the first, woken by
 /// `NOTIFY` on PostgreSQL and by polling elsewhere.
-async fn duplicates_on_another_instance_wait_too(backend: Backend) {
+async fn duplicates_on_another_instance_wait_too(backend: TestDatabase) {
     let wait = Some(Duration::from_secs(5));
     let delay = Duration::from_millis(300);
     let Some(database) = backend.fresh_database().await else {

@@ -34,9 +34,9 @@ use std::{sync::Arc, time::Duration};
 ///     type Response = StoredResponse;
 ///     fn name(&self) -> &str { "charge" }
 ///     async fn run(&self, steps: &mut Steps<SqliteStore>, _: &serde_json::Value) -> Result<Finished<StoredResponse>, StepError> {
-///         steps.finish(|_tx| Box::pin(async {
-///             Ok::<_, sqlx::Error>(StoredResponse { status: 201, headers: Vec::new(), body: b"charged".to_vec() })
-///         })).await
+///         steps.finish(async |_tx| {
+///             StoredResponse::json(http::StatusCode::CREATED, &serde_json::json!({"charged": true}))
+///         }).await
 ///     }
 /// }
 ///

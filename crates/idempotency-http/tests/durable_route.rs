@@ -18,7 +18,7 @@ use idempotency_http::{DurableRoute, KeyLease, MissingScope, StoredResponse};
 use serde_json::{json, Value};
 use sqlx::SqlitePool;
 use std::time::{Duration, Instant};
-use test_support::Backend;
+use test_support::TestDatabase as Backend;
 use tower::ServiceExt;
 
 const LEASE: Duration = Duration::from_millis(800);
@@ -131,13 +131,11 @@ macro_rules! pay_on {
                     .await?;
                 let insert = format!("INSERT INTO payments (charge) VALUES ('{charge}')");
                 steps
-                    .finish(|tx| Box::pin(async move {
+                    .finish(async |tx| {
                         sqlx::query(&insert).execute(&mut **tx).await?;
-                        let body = serde_json::to_vec(&json!({ "charge": charge }))
-                            .expect("json");
-                        let headers = vec![("content-type".to_owned(), "application/json".to_owned())];
-                        Ok::<_, sqlx::Error>(StoredResponse { status: 201, headers, body })
-                    }))
+                        StoredResponse::json(StatusCode::CREATED, &json!({ "charge": charge }))
+                            .map_err(idempotency::BoxError::from)
+                    })
                     .await
             }
         }

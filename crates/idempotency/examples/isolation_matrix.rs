@@ -21,7 +21,7 @@ mod matrix;
 async fn main() {
     let config = matrix::Config::from_env();
     let mut reports = Vec::new();
-    for backend in matrix::Backend::ALL {
+    for backend in matrix::Engine::ALL {
         eprintln!("racing {backend} ...");
         match matrix::run_backend(backend, config).await {
             Some(report) => reports.push(report),

@@ -2,11 +2,11 @@
 #![warn(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
-mod consumer;
 mod disposition;
 mod error;
 mod fingerprint;
 mod heartbeat;
+mod inbox;
 mod key;
 mod lease;
 mod operation;
@@ -23,12 +23,12 @@ mod store;
 pub mod testing;
 mod worker;
 
-pub use consumer::{
-    Consumer, DeadLetter, Decision, FailureKind, InvalidMessage, Message, MAX_MESSAGE_TYPE_LEN,
-};
 pub use disposition::Disposition;
 pub use error::{is_unavailable_error, BoxError, Error, PerformError, StepError, StoreError};
 pub use fingerprint::{canonical_json, Fingerprint, FingerprintBuilder};
+pub use inbox::{
+    DeadLetter, DeliveryAction, FailureKind, Inbox, InvalidMessage, MAX_MESSAGE_TYPE_LEN,
+};
 pub use key::{IdempotencyKey, InvalidKey, KeyPart, MAX_PART_LEN};
 pub use lease::Lease;
 pub use operation::{Operation, Operations};

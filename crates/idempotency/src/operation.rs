@@ -44,12 +44,12 @@ use std::{any::Any, collections::HashMap, future::Future, panic::AssertUnwindSaf
 ///     type Response = String;
 ///     fn name(&self) -> &str { "charge-card" }
 ///     async fn run(&self, steps: &mut Steps<SqliteStore>, request: &Charge) -> Result<Finished<String>, StepError> {
-///         let cents = request.cents;
+///         let cents = request.cents; // the closures below borrow it
 ///         // (a) a local step: its writes commit with the recovery point.
-///         steps.local("reserve-funds", |tx| Box::pin(async move {
+///         steps.local("reserve-funds", async |tx| {
 ///             sqlx::query("UPDATE accounts SET held = held + ?1").bind(cents).execute(&mut **tx).await
 ///                 .map(|_| ())
-///         })).await?;
+///         }).await?;
 ///         // (b) an outside call with a key derived from ours, and a lookup by the same key.
 ///         let charge_id: String = steps.call(
 ///             "charge",
@@ -57,10 +57,10 @@ use std::{any::Any, collections::HashMap, future::Future, panic::AssertUnwindSaf
 ///             |provider_key| async move { Lookup::Done(format!("ch_{provider_key}")) },
 ///         ).await?;
 ///         // (c) the last local writes and the key's completion, in one transaction.
-///         steps.finish(|tx| Box::pin(async move {
+///         steps.finish(async |tx| {
 ///             sqlx::query("UPDATE accounts SET held = held - ?1").bind(cents).execute(&mut **tx).await?;
 ///             Ok::<_, sqlx::Error>(charge_id)
-///         })).await
+///         }).await
 ///     }
 /// }
 ///
@@ -219,7 +219,7 @@ impl<S: Journal> Operations<S> {
     ///     type Response = String;
     ///     fn name(&self) -> &str { "ping" }
     ///     async fn run(&self, steps: &mut Steps<SqliteStore>, _: &()) -> Result<Finished<String>, StepError> {
-    ///         steps.finish(|_tx| Box::pin(async { Ok::<_, sqlx::Error>("pong".to_owned()) })).await
+    ///         steps.finish(async |_tx| Ok::<_, sqlx::Error>("pong".to_owned())).await
     ///     }
     /// }
     ///

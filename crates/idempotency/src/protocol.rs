@@ -4,7 +4,7 @@
 
 use crate::{
     disposition::Disposition,
-    error::{Error, StoreError},
+    error::{BoxError, Error, StoreError},
     heartbeat::Heartbeat,
     lease::Lease,
     recent_replays::RecentReplays,
@@ -935,18 +935,29 @@ impl<S: Store> Idempotency<S> {
     /// helper trait, would forbid exactly what this signature is for: a closure that borrows the
     /// caller's data (the compiler then requires those borrows to be `'static`).
     ///
-    /// # Migrating from the boxed form
+    /// # The work, everywhere
     ///
-    /// Earlier versions took `F: for<'t> FnOnce(&'t mut Transaction) -> BoxFuture<'t, …>`, called
-    /// as `run(&attempt, |tx| Box::pin(async move { … }))`. Write `run(&attempt, async |tx| { … })`
-    /// instead: drop the `Box::pin(async move …)` wrapper and the clones made only to satisfy it.
-    /// The body is unchanged (queries still run on `&mut **tx`). A closure that must take
-    /// ownership of what it uses is written `async move |tx| { … }`. Helpers called with `tx`
-    /// that named `&mut Transaction<'static, DB>` now take `&mut Transaction<'_, DB>`.
+    /// Every place that runs work inside a business transaction takes this same closure and
+    /// this same error bound: `run`, [`run_with`](Self::run_with), the durable steps
+    /// ([`Steps::local`](crate::Steps::local), [`Steps::finish`](crate::Steps::finish),
+    /// [`Steps::fail`](crate::Steps::fail)) and the queue's [`Inbox::handle`](crate::Inbox::handle)
+    /// and [`Inbox::handle_with`](crate::Inbox::handle_with) (and `idempotency_amqp`'s
+    /// `Incoming::handle`, which call them). Work written for one fits the others.
+    ///
+    /// The error is any `E: Into<BoxError> + Send`: every `std::error::Error + Send + Sync` type
+    /// (`sqlx::Error`, your own `thiserror` enum), `anyhow::Error`, `String` and `&str`. `run`
+    /// hands it back untouched, as [`Error::Operation`]; the steps and the inbox, which must keep
+    /// or report an error of any work, turn it into a [`BoxError`] ([`StepError::Local`](crate::StepError::Local))
+    /// or its text (a failure record, [`DeliveryAction::Retry`](crate::DeliveryAction::Retry)).
+    /// This is the widest bound all of them can live with: `Display` alone could not be boxed
+    /// as an error source, and `std::error::Error + 'static` alone would refuse `anyhow::Error`
+    /// and plain strings. Unlike sqlx's `Connection::transaction`, no `E: From<sqlx::Error>` is
+    /// asked for: the engine's own failures (the store, a lost lease) come back as the other
+    /// variants of [`Error`], never inside `E`.
     pub async fn run<R, E, F>(&self, attempt: &Attempt, work: F) -> Result<Outcome<R>, Error<E>>
     where
         R: Serialize + DeserializeOwned + Send,
-        E: Send,
+        E: Into<BoxError> + Send,
         F: for<'c> AsyncFnOnce(&mut sqlx::Transaction<'c, S::Database>) -> Result<R, E> + Send,
     {
         self.settled_by(attempt, |_| None, work).await
@@ -956,8 +967,7 @@ impl<S: Store> Idempotency<S> {
     /// [`Release`](Disposition::Release) it (nothing went out), or [`Park`](Disposition::Park)
     /// it as `needs_review` (an outside effect may have happened). The core stores only `Ok`
     /// values, so [`Store`](Disposition::Store) for an error parks the key too. The work is the same
-    /// async closure as [`run`](Self::run)'s (see there for `Send` and for migrating from the
-    /// boxed form).
+    /// async closure as [`run`](Self::run)'s, with the same error bound (see there, and for `Send`).
     ///
     /// ```
     /// # #[cfg(feature = "sqlite")]
@@ -1001,7 +1011,7 @@ impl<S: Store> Idempotency<S> {
     ) -> Result<Outcome<R>, Error<E>>
     where
         R: Serialize + DeserializeOwned + Send,
-        E: Send,
+        E: Into<BoxError> + Send,
         F: for<'c> AsyncFnOnce(&mut sqlx::Transaction<'c, S::Database>) -> Result<R, E> + Send,
         C: FnOnce(&E) -> Disposition + Send,
     {
@@ -1018,33 +1028,8 @@ impl<S: Store> Idempotency<S> {
     ) -> Result<Outcome<R>, Error<E>>
     where
         R: Serialize + DeserializeOwned + Send,
-        E: Send,
+        E: Into<BoxError> + Send,
         F: for<'c> AsyncFnOnce(&mut sqlx::Transaction<'c, S::Database>) -> Result<R, E> + Send,
-        C: FnOnce(&E) -> Option<Disposition> + Send,
-    {
-        let (lease, mut tx) = match self.start(attempt).await? {
-            Started::Replayed(stored) => return Ok(Outcome::Replayed(stored)),
-            Started::Acquired(lease, tx) => (lease, tx),
-        };
-        let ran = AssertUnwindSafe(work(&mut tx)).catch_unwind().await;
-        self.settle(attempt, lease, tx, ran, on_error).await
-    }
-
-    /// [`run_with`](Self::run_with) for work in the boxed form ([`Consumer`](crate::consumer::Consumer)
-    /// takes it).
-    pub(crate) async fn run_boxed<R, E, F, C>(
-        &self,
-        attempt: &Attempt,
-        on_error: C,
-        work: F,
-    ) -> Result<Outcome<R>, Error<E>>
-    where
-        R: Serialize + DeserializeOwned + Send,
-        E: Send,
-        F: for<'t> FnOnce(
-                &'t mut sqlx::Transaction<'static, S::Database>,
-            ) -> BoxFuture<'t, Result<R, E>>
-            + Send,
         C: FnOnce(&E) -> Option<Disposition> + Send,
     {
         let (lease, mut tx) = match self.start(attempt).await? {

@@ -381,15 +381,15 @@ impl<S: Maintenance + Journal, R: Resolver> Recovery<S, R> {
                 return Self::resume(engine, operations, key, token, report).await;
             }
         }
-        let (decision, done) = match record.effects {
+        let (recovered, done) = match record.effects {
             Effects::Local => {
                 let done = self.store.release(key, token).await?;
-                (Decision::Released, done)
+                (Recovered::Released, done)
             }
             Effects::External => self.settle_external(record, token).await?,
         };
-        report.note(decision, done);
-        tracing::debug!(%key, effects = %record.effects, ?decision, done, "idempotency key recovered");
+        report.note(recovered, done);
+        tracing::debug!(%key, effects = %record.effects, ?recovered, done, "idempotency key recovered");
         Ok(())
     }
 
@@ -404,24 +404,24 @@ impl<S: Maintenance + Journal, R: Resolver> Recovery<S, R> {
     ) -> Result<(), StoreError> {
         // Resume from the row as of the claim (see `Idempotency::claimed_row`).
         let Some(claimed) = engine.claimed_row(key, token).await? else {
-            report.note(Decision::Unknown, false);
+            report.note(Recovered::Unknown, false);
             return Ok(());
         };
         let lease = engine.claimed_lease(&claimed, token);
-        let (decision, done) = match operations.resume(engine, lease, &claimed).await {
-            Ok(Resumed::Settled(Settlement::Completed)) => (Decision::Completed, true),
-            Ok(Resumed::Settled(_)) => (Decision::Failed, true),
-            Ok(Resumed::Released) => (Decision::Released, true),
-            Ok(Resumed::Stopped(PerformError::Parked { .. })) => (Decision::Parked, true),
-            Ok(Resumed::Stopped(PerformError::LeaseLost)) => (Decision::Unknown, false),
+        let (recovered, done) = match operations.resume(engine, lease, &claimed).await {
+            Ok(Resumed::Settled(Settlement::Completed)) => (Recovered::Completed, true),
+            Ok(Resumed::Settled(_)) => (Recovered::Failed, true),
+            Ok(Resumed::Released) => (Recovered::Released, true),
+            Ok(Resumed::Stopped(PerformError::Parked { .. })) => (Recovered::Parked, true),
+            Ok(Resumed::Stopped(PerformError::LeaseLost)) => (Recovered::Unknown, false),
             Ok(Resumed::Stopped(error)) => {
                 tracing::info!(%key, %error, "durable operation still pending");
-                (Decision::Unknown, true)
+                (Recovered::Unknown, true)
             }
             Err(_unused) => unreachable!("the operation is registered"),
         };
-        report.note(decision, done);
-        tracing::debug!(%key, ?decision, done, "durable operation resumed");
+        report.note(recovered, done);
+        tracing::debug!(%key, ?recovered, done, "durable operation resumed");
         Ok(())
     }
 
@@ -431,7 +431,7 @@ impl<S: Maintenance + Journal, R: Resolver> Recovery<S, R> {
         &self,
         record: &KeyRecord,
         token: LeaseToken,
-    ) -> Result<(Decision, bool), StoreError> {
+    ) -> Result<(Recovered, bool), StoreError> {
         let key = &record.key;
         let Some(resolver) = &self.resolver else {
             let done = self
@@ -442,7 +442,7 @@ impl<S: Maintenance + Journal, R: Resolver> Recovery<S, R> {
                     "abandoned external operation; no resolver configured",
                 )
                 .await?;
-            return Ok((Decision::Parked, done));
+            return Ok((Recovered::Parked, done));
         };
         Ok(match self.ask(resolver, record).await {
             ProviderAnswer::Completed(result) => {
@@ -456,11 +456,11 @@ impl<S: Maintenance + Journal, R: Resolver> Recovery<S, R> {
                         self.retention,
                     )
                     .await?;
-                (Decision::Completed, done)
+                (Recovered::Completed, done)
             }
             ProviderAnswer::Failed => {
                 let done = self.store.release(key, token).await?;
-                (Decision::Failed, done)
+                (Recovered::Failed, done)
             }
             ProviderAnswer::Unknown => {
                 let attempts = record.recovery_attempts.saturating_add(1);
@@ -469,13 +469,13 @@ impl<S: Maintenance + Journal, R: Resolver> Recovery<S, R> {
                         "abandoned external operation; the provider's answer was unknown {attempts} times"
                     );
                     let done = self.store.park(key, token, &reason).await?;
-                    (Decision::Parked, done)
+                    (Recovered::Parked, done)
                 } else {
                     let done = self
                         .store
                         .note_unknown(key, token, self.retry_after)
                         .await?;
-                    (Decision::Unknown, done)
+                    (Recovered::Unknown, done)
                 }
             }
         })
@@ -532,9 +532,9 @@ impl<S: Maintenance + Journal, R: Resolver> Recovery<S, R> {
     }
 }
 
-/// What recovery decided for one key.
+/// What recovery did with one key (the [`RecoveryReport`] counter it adds to).
 #[derive(Debug, Clone, Copy)]
-enum Decision {
+enum Recovered {
     Released,
     Completed,
     Failed,
@@ -543,16 +543,16 @@ enum Decision {
 }
 
 impl RecoveryReport {
-    /// Counts a fenced write: under its decision when it acted, as skipped when another party
+    /// Counts a fenced write: under what it did when it acted, as skipped when another party
     /// changed the key between our claim and our write (possible only after the claim ran out).
-    fn note(&mut self, decision: Decision, done: bool) {
-        let counter = match (done, decision) {
+    fn note(&mut self, recovered: Recovered, done: bool) {
+        let counter = match (done, recovered) {
             (false, _) => &mut self.skipped,
-            (true, Decision::Released) => &mut self.released,
-            (true, Decision::Completed) => &mut self.completed,
-            (true, Decision::Failed) => &mut self.failed,
-            (true, Decision::Parked) => &mut self.parked,
-            (true, Decision::Unknown) => &mut self.unknown,
+            (true, Recovered::Released) => &mut self.released,
+            (true, Recovered::Completed) => &mut self.completed,
+            (true, Recovered::Failed) => &mut self.failed,
+            (true, Recovered::Parked) => &mut self.parked,
+            (true, Recovered::Unknown) => &mut self.unknown,
         };
         *counter += 1;
     }

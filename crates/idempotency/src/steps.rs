@@ -7,7 +7,6 @@ use crate::{
     store::{Journal as JournalStore, KeyRecord, Progress, Store},
     IdempotencyKey,
 };
-use futures_util::future::BoxFuture;
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use std::{
@@ -391,14 +390,15 @@ impl<S: JournalStore> Steps<S> {
     ///
     /// If `work` fails, its transaction rolls back and [`StepError::Local`] is returned. If the
     /// lease was lost meanwhile, the transaction rolls back ([`StepError::LeaseLost`]).
+    ///
+    /// The work is the same async closure as [`Idempotency::run`](crate::Idempotency::run)'s,
+    /// `async |tx| { … }`, with the same error bound; it may borrow the request and the outputs
+    /// of earlier steps.
     pub async fn local<T, E, F>(&mut self, name: &str, work: F) -> Result<T, StepError>
     where
         T: Serialize + DeserializeOwned + Send,
-        E: Into<BoxError>,
-        F: for<'t> FnOnce(
-                &'t mut sqlx::Transaction<'static, S::Database>,
-            ) -> BoxFuture<'t, Result<T, E>>
-            + Send,
+        E: Into<BoxError> + Send,
+        F: for<'c> AsyncFnOnce(&mut sqlx::Transaction<'c, S::Database>) -> Result<T, E> + Send,
     {
         if let Some(output) = self.recorded(name)? {
             return Ok(output);
@@ -563,11 +563,8 @@ impl<S: JournalStore> Steps<S> {
     pub async fn finish<R, E, F>(&mut self, work: F) -> Result<Finished<R>, StepError>
     where
         R: Serialize + Send,
-        E: Into<BoxError>,
-        F: for<'t> FnOnce(
-                &'t mut sqlx::Transaction<'static, S::Database>,
-            ) -> BoxFuture<'t, Result<R, E>>
-            + Send,
+        E: Into<BoxError> + Send,
+        F: for<'c> AsyncFnOnce(&mut sqlx::Transaction<'c, S::Database>) -> Result<R, E> + Send,
     {
         self.settle("completed", Settlement::Completed, work).await
     }
@@ -578,11 +575,8 @@ impl<S: JournalStore> Steps<S> {
     pub async fn fail<R, E, F>(&mut self, reason: &str, work: F) -> Result<Finished<R>, StepError>
     where
         R: Serialize + Send,
-        E: Into<BoxError>,
-        F: for<'t> FnOnce(
-                &'t mut sqlx::Transaction<'static, S::Database>,
-            ) -> BoxFuture<'t, Result<R, E>>
-            + Send,
+        E: Into<BoxError> + Send,
+        F: for<'c> AsyncFnOnce(&mut sqlx::Transaction<'c, S::Database>) -> Result<R, E> + Send,
     {
         let point = format!("failed: {reason}");
         self.settle(&point, Settlement::Failed, work).await
@@ -596,11 +590,8 @@ impl<S: JournalStore> Steps<S> {
     ) -> Result<Finished<R>, StepError>
     where
         R: Serialize + Send,
-        E: Into<BoxError>,
-        F: for<'t> FnOnce(
-                &'t mut sqlx::Transaction<'static, S::Database>,
-            ) -> BoxFuture<'t, Result<R, E>>
-            + Send,
+        E: Into<BoxError> + Send,
+        F: for<'c> AsyncFnOnce(&mut sqlx::Transaction<'c, S::Database>) -> Result<R, E> + Send,
     {
         let mut tx = self.store().begin().await?;
         let response = match work(&mut tx).await {

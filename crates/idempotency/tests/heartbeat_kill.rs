@@ -9,7 +9,7 @@ use idempotency::{
     SqliteStore, Store,
 };
 use std::time::{Duration, Instant};
-use test_support::Backend;
+use test_support::TestDatabase;
 
 /// The holder's lease; its heartbeat beats every third of it.
 const LEASE: Duration = Duration::from_millis(600);
@@ -57,21 +57,21 @@ async fn hold<S: Store>(store: S, key: &str) {
     std::future::pending::<()>().await;
 }
 
-async fn a_killed_holder_is_taken_over_within_a_lease_and_a_beat(backend: Backend) {
+async fn a_killed_holder_is_taken_over_within_a_lease_and_a_beat(backend: TestDatabase) {
     let db = backend
         .fresh_database()
         .await
         .expect("an available backend");
     match backend {
-        Backend::Postgres => {
+        TestDatabase::Postgres => {
             let pool = sqlx::PgPool::connect(&db.url).await.expect("connect");
             measure(PgStore::new(pool), &db.url, backend).await
         }
-        Backend::MySql => {
+        TestDatabase::MySql => {
             let pool = sqlx::MySqlPool::connect(&db.url).await.expect("connect");
             measure(MySqlStore::new(pool), &db.url, backend).await
         }
-        Backend::Sqlite => {
+        TestDatabase::Sqlite => {
             let store = SqliteStore::connect(&db.url).await.expect("open");
             measure(store, &db.url, backend).await
         }
@@ -82,7 +82,7 @@ async fn a_killed_holder_is_taken_over_within_a_lease_and_a_beat(backend: Backen
 /// SIGKILLed; the key's remaining lease is read right after the kill (by the database's clock,
 /// so this process's scheduling cannot stretch it), and a retry polls the key every 5 ms until
 /// it takes it over.
-async fn measure<S: Store>(store: S, url: &str, backend: Backend) {
+async fn measure<S: Store>(store: S, url: &str, backend: TestDatabase) {
     store.migrate().await.expect("migrate");
     let retry = Idempotency::new(store).with_lease(LEASE);
     let (mut lease_ends, mut waits) = (Vec::new(), Vec::new());

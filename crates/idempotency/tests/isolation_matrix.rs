@@ -8,9 +8,9 @@
 #[path = "../examples/isolation_matrix/matrix.rs"]
 mod matrix;
 
-use matrix::{Approach, Backend, BackendReport, Config, Level};
+use matrix::{Approach, Config, Engine, EngineReport, Level};
 
-async fn measure(backend: Backend) -> Option<BackendReport> {
+async fn measure(backend: Engine) -> Option<EngineReport> {
     let config = Config::default();
     assert!(config.trials >= 200 && config.workers >= 8);
     let report = matrix::run_backend(backend, config).await?;
@@ -41,7 +41,7 @@ async fn measure(backend: Backend) -> Option<BackendReport> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn postgres_matrix() {
-    let Some(report) = measure(Backend::Postgres).await else {
+    let Some(report) = measure(Engine::Postgres).await else {
         return;
     };
     for approach in [Approach::CheckThenInsert, Approach::ForUpdate] {
@@ -62,7 +62,7 @@ async fn postgres_matrix() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn mariadb_matrix() {
-    let Some(report) = measure(Backend::MariaDb).await else {
+    let Some(report) = measure(Engine::MariaDb).await else {
         return;
     };
     // READ COMMITTED takes no gap lock, and a plain read takes no lock at all: double commits.
@@ -84,7 +84,7 @@ async fn mariadb_matrix() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sqlite_matrix() {
-    let Some(report) = measure(Backend::Sqlite).await else {
+    let Some(report) = measure(Engine::Sqlite).await else {
         return;
     };
     let level = Level::SqliteSerializable;

@@ -12,7 +12,7 @@ use idempotency::{
 };
 use serde_json::json;
 use std::time::{Duration, Instant};
-use test_support::Backend;
+use test_support::TestDatabase;
 
 const WAIT: Duration = Duration::from_secs(5);
 
@@ -143,13 +143,13 @@ async fn work_until_killed<S: Harness + ReserveInTransaction>(store: S, key: &st
 /// A holder SIGKILLed mid-work, with a duplicate waiting on its key: the database rolls the
 /// holder's transaction back, key row and writes together, and the waiting duplicate runs the
 /// work at once (not after a lease), once. No pending key is left for anyone to recover.
-async fn a_killed_holder_leaves_no_key(backend: Backend) {
+async fn a_killed_holder_leaves_no_key(backend: TestDatabase) {
     let db = backend
         .fresh_database()
         .await
         .expect("an available backend");
     match backend {
-        Backend::Postgres => {
+        TestDatabase::Postgres => {
             let pool = sqlx::PgPool::connect(&db.url).await.expect("connect");
             sqlx::query("CREATE TABLE effects (id BIGSERIAL PRIMARY KEY, trial TEXT NOT NULL)")
                 .execute(&pool)
@@ -157,7 +157,7 @@ async fn a_killed_holder_leaves_no_key(backend: Backend) {
                 .expect("effects table");
             kill_holders(PgStore::new(pool), &db.url).await
         }
-        Backend::MySql => {
+        TestDatabase::MySql => {
             let pool = sqlx::MySqlPool::connect(&db.url).await.expect("connect");
             sqlx::query(
                 "CREATE TABLE effects (id BIGINT AUTO_INCREMENT PRIMARY KEY, trial VARCHAR(255) NOT NULL) ENGINE = InnoDB",
@@ -167,7 +167,7 @@ async fn a_killed_holder_leaves_no_key(backend: Backend) {
             .expect("effects table");
             kill_holders(MySqlStore::new(pool), &db.url).await
         }
-        Backend::Sqlite => unreachable!("excepted"),
+        TestDatabase::Sqlite => unreachable!("excepted"),
     }
 }
 

@@ -387,11 +387,9 @@ impl<S: Harness> Operation<S> for Transfer {
         // (a)
         let debit = format!("{}/a", request.trial);
         steps
-            .local("debit", move |tx| {
-                Box::pin(async move {
-                    S::insert_effect(tx, &debit).await?;
-                    Ok::<_, sqlx::Error>(debit)
-                })
+            .local("debit", async move |tx| {
+                S::insert_effect(tx, &debit).await?;
+                Ok::<_, sqlx::Error>(debit)
             })
             .await?;
         self.hook.pass(Point::AfterDebit).await;
@@ -423,11 +421,9 @@ impl<S: Harness> Operation<S> for Transfer {
                 let undo = format!("{}/undo", request.trial);
                 let refusal = Receipt::declined(&request.trial, cents, &reason);
                 return steps
-                    .fail(&reason, move |tx| {
-                        Box::pin(async move {
-                            S::insert_effect(tx, &undo).await?;
-                            Ok::<_, sqlx::Error>(refusal)
-                        })
+                    .fail(&reason, async move |tx| {
+                        S::insert_effect(tx, &undo).await?;
+                        Ok::<_, sqlx::Error>(refusal)
                     })
                     .await;
             }
@@ -438,11 +434,9 @@ impl<S: Harness> Operation<S> for Transfer {
         // (b')
         let note = format!("{}/b", request.trial);
         steps
-            .local("note", move |tx| {
-                Box::pin(async move {
-                    S::insert_effect(tx, &note).await?;
-                    Ok::<_, sqlx::Error>(())
-                })
+            .local("note", async move |tx| {
+                S::insert_effect(tx, &note).await?;
+                Ok::<_, sqlx::Error>(())
             })
             .await?;
         self.hook.pass(Point::AfterNote).await;
@@ -452,12 +446,10 @@ impl<S: Harness> Operation<S> for Transfer {
         let receipt = Receipt::charged(&request.trial, &charge);
         let hook = self.hook.clone();
         steps
-            .finish(move |tx| {
-                Box::pin(async move {
-                    S::insert_effect(tx, &done).await?;
-                    hook.pass(Point::InsideFinish).await;
-                    Ok::<_, sqlx::Error>(receipt)
-                })
+            .finish(async move |tx| {
+                S::insert_effect(tx, &done).await?;
+                hook.pass(Point::InsideFinish).await;
+                Ok::<_, sqlx::Error>(receipt)
             })
             .await
     }
@@ -490,11 +482,9 @@ impl<S: Harness> Operation<S> for Notice {
     ) -> Result<Finished<String>, StepError> {
         let noted = format!("{}/a", request.trial);
         steps
-            .local("note", move |tx| {
-                Box::pin(async move {
-                    S::insert_effect(tx, &noted).await?;
-                    Ok::<_, sqlx::Error>(())
-                })
+            .local("note", async move |tx| {
+                S::insert_effect(tx, &noted).await?;
+                Ok::<_, sqlx::Error>(())
             })
             .await?;
         let (mailer, hook, to) = (
@@ -510,11 +500,9 @@ impl<S: Harness> Operation<S> for Notice {
             .await?;
         let done = format!("{}/c/first", request.trial);
         steps
-            .finish(move |tx| {
-                Box::pin(async move {
-                    S::insert_effect(tx, &done).await?;
-                    Ok::<_, sqlx::Error>(message)
-                })
+            .finish(async move |tx| {
+                S::insert_effect(tx, &done).await?;
+                Ok::<_, sqlx::Error>(message)
             })
             .await
     }
@@ -1538,33 +1526,27 @@ impl<S: Harness> Operation<S> for Busy {
     ) -> Result<Finished<String>, StepError> {
         let debit = format!("{}/a", request.trial);
         steps
-            .local("debit", move |tx| {
-                Box::pin(async move {
-                    S::insert_effect(tx, &debit).await?;
-                    Ok::<_, sqlx::Error>(())
-                })
+            .local("debit", async move |tx| {
+                S::insert_effect(tx, &debit).await?;
+                Ok::<_, sqlx::Error>(())
             })
             .await?;
         let refusals = self.refusals.clone();
         steps
-            .local("note", move |_tx| {
-                Box::pin(async move {
-                    let left = refusals.load(Ordering::SeqCst);
-                    if left > 0 {
-                        refusals.store(left - 1, Ordering::SeqCst);
-                        return Err(sqlx::Error::PoolTimedOut);
-                    }
-                    Ok(())
-                })
+            .local("note", async move |_tx| {
+                let left = refusals.load(Ordering::SeqCst);
+                if left > 0 {
+                    refusals.store(left - 1, Ordering::SeqCst);
+                    return Err(sqlx::Error::PoolTimedOut);
+                }
+                Ok(())
             })
             .await?;
         let done = format!("{}/c/first", request.trial);
         steps
-            .finish(move |tx| {
-                Box::pin(async move {
-                    S::insert_effect(tx, &done).await?;
-                    Ok::<_, sqlx::Error>("done".to_owned())
-                })
+            .finish(async move |tx| {
+                S::insert_effect(tx, &done).await?;
+                Ok::<_, sqlx::Error>("done".to_owned())
             })
             .await
     }

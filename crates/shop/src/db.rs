@@ -361,23 +361,23 @@ impl Tx {
 /// lets an operation be written once for every backend (`impl<S: StoreConn> Operation<S>`).
 pub trait StoreConn: Store + Journal + CompletionSignal {
     /// The connection of a transaction of this backend, for statements.
-    fn conn<'a>(tx: &'a mut Transaction<'static, Self::Database>) -> Conn<'a>;
+    fn conn<'a>(tx: &'a mut Transaction<'_, Self::Database>) -> Conn<'a>;
 }
 
 impl StoreConn for PgStore {
-    fn conn<'a>(tx: &'a mut Transaction<'static, Postgres>) -> Conn<'a> {
+    fn conn<'a>(tx: &'a mut Transaction<'_, Postgres>) -> Conn<'a> {
         Conn::Pg(tx)
     }
 }
 
 impl StoreConn for SqliteStore {
-    fn conn<'a>(tx: &'a mut Transaction<'static, Sqlite>) -> Conn<'a> {
+    fn conn<'a>(tx: &'a mut Transaction<'_, Sqlite>) -> Conn<'a> {
         Conn::Sqlite(tx)
     }
 }
 
 impl StoreConn for MySqlStore {
-    fn conn<'a>(tx: &'a mut Transaction<'static, MySql>) -> Conn<'a> {
+    fn conn<'a>(tx: &'a mut Transaction<'_, MySql>) -> Conn<'a> {
         Conn::My(tx)
     }
 }

@@ -88,11 +88,8 @@ impl<S: StoreConn> Operation<S> for PurchaseEvents {
         steps: &mut Steps<S>,
         event: &PurchasePaid,
     ) -> Result<Finished<Value>, StepError> {
-        let granting = event.clone();
         let granted = steps
-            .local("points", move |tx| {
-                Box::pin(async move { grant_points(S::conn(tx), &granting).await })
-            })
+            .local("points", async |tx| grant_points(S::conn(tx), event).await)
             .await?;
         let mail = self.mail.clone();
         let sending = event.clone();
@@ -108,17 +105,14 @@ impl<S: StoreConn> Operation<S> for PurchaseEvents {
                 .map_err(call_error)
             })
             .await?;
-        let recording = event.clone();
         steps
-            .finish(move |tx| {
-                Box::pin(async move {
-                    record_receipt(S::conn(tx), &recording, &message_id).await?;
-                    Ok::<_, sqlx::Error>(json!({
-                        "order_id": recording.order_id,
-                        "points_granted": granted,
-                        "receipt": message_id,
-                    }))
-                })
+            .finish(async |tx| {
+                record_receipt(S::conn(tx), event, &message_id).await?;
+                Ok::<_, sqlx::Error>(json!({
+                    "order_id": event.order_id,
+                    "points_granted": granted,
+                    "receipt": message_id,
+                }))
             })
             .await
     }

@@ -350,11 +350,9 @@ impl<S: StoreConn> Operation<S> for Purchase {
         })?;
 
         // 1. The debit and the order, committed with the recovery point "order".
-        // (Step closures own what they use: their futures may not borrow the caller's data.)
-        let placing = request.clone();
         let placed = steps
-            .local("order", move |tx| {
-                Box::pin(async move { place_order(S::conn(tx), &placing, amount).await })
+            .local("order", async |tx| {
+                place_order(S::conn(tx), request, amount).await
             })
             .await?;
         let order = match placed {
@@ -363,7 +361,7 @@ impl<S: StoreConn> Operation<S> for Purchase {
                 // Nothing was written: the refusal itself is the definitive answer.
                 let refused = refusal(amount, balance);
                 return steps
-                    .finish(|_| Box::pin(async move { Ok::<_, sqlx::Error>(refused) }))
+                    .finish(async move |_| Ok::<_, sqlx::Error>(refused))
                     .await;
             }
         };
@@ -404,17 +402,14 @@ impl<S: StoreConn> Operation<S> for Purchase {
         };
 
         // 3. Paid, recorded, and the key completed with the 201, in one transaction.
-        let (paying, paid_with, outbox) = (request.clone(), charge.clone(), self.outbox);
+        let outbox = self.outbox;
         let finished = steps
-            .finish(move |tx| {
-                Box::pin(async move {
-                    let body =
-                        mark_paid(S::conn(tx), &paying, order, amount, &paid_with, outbox).await?;
-                    Ok::<_, Box<dyn std::error::Error + Send + Sync>>(stored_json(
-                        StatusCode::CREATED,
-                        &body,
-                    ))
-                })
+            .finish(async |tx| {
+                let body = mark_paid(S::conn(tx), request, order, amount, &charge, outbox).await?;
+                Ok::<_, Box<dyn std::error::Error + Send + Sync>>(stored_json(
+                    StatusCode::CREATED,
+                    &body,
+                ))
             })
             .await;
         match finished {
@@ -459,13 +454,10 @@ async fn fail<S: StoreConn>(
     why: &str,
 ) -> Result<Finished<StoredResponse>, StepError> {
     let answer = payment_failed(why, order);
-    let user = request.user.clone();
     steps
-        .fail(why, move |tx| {
-            Box::pin(async move {
-                cancel_order(S::conn(tx), &user, order, amount).await?;
-                Ok::<_, sqlx::Error>(answer)
-            })
+        .fail(why, async |tx| {
+            cancel_order(S::conn(tx), &request.user, order, amount).await?;
+            Ok::<_, sqlx::Error>(answer)
         })
         .await
 }

@@ -14,7 +14,7 @@ use crate::{
     state::{App, Config, Engine},
 };
 use anyhow::Context;
-use idempotency::{Consumer, DeadLetter, Decision, Idempotency};
+use idempotency::{DeadLetter, DeliveryAction, Idempotency, Inbox};
 use idempotency_amqp::{AmqpConsumer, Incoming, Topology};
 use lapin::{Connection, ConnectionProperties};
 use std::{sync::Arc, time::Duration};
@@ -98,17 +98,19 @@ async fn consume<S: StoreConn + Clone>(
     let channel = connection.create_channel().await?;
     let topology = Topology::new(PURCHASES_QUEUE);
     topology.declare(&channel).await?;
-    let consumer = Consumer::new(engine).with_max_failures(5);
+    let inbox = Inbox::new(engine).with_max_failures(5);
     let handler = move |incoming: Incoming<S>| {
         let operation = operation.clone();
         async move {
             let event: PurchasePaid = match incoming.json() {
                 Ok(event) => event,
-                Err(error) => return Decision::DeadLetter(DeadLetter::Invalid(error.to_string())),
+                Err(error) => {
+                    return DeliveryAction::DeadLetter(DeadLetter::Invalid(error.to_string()))
+                }
             };
-            let key = incoming.message().key();
+            let key = incoming.attempt().key();
             incoming
-                .consumer()
+                .inbox()
                 .perform(key.scope(), key.key(), &*operation, &event)
                 .await
         }
@@ -118,7 +120,7 @@ async fn consume<S: StoreConn + Clone>(
         shutdown_signal().await;
         let _ = stop.send(());
     });
-    let report = AmqpConsumer::for_topology(channel, &topology, consumer, handler)
+    let report = AmqpConsumer::for_topology(channel, &topology, inbox, handler)
         .with_scope(SCOPE)
         .with_prefetch(args.prefetch)
         .with_concurrency(args.concurrency)

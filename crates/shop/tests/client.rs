@@ -18,7 +18,7 @@ use std::{
     },
     time::{Duration, Instant},
 };
-use test_support::Backend;
+use test_support::TestDatabase;
 
 /// A `shop` process on a given address (restartable on the same port), killed on drop.
 struct Shop {
@@ -177,7 +177,7 @@ async fn rows(database_url: &str, user: &str, key: &str) -> Rows {
 
 /// 16 copies of one 50 ms purchase at once, 3 times: with the shop waiting for the request in
 /// flight, every copy is a 201 (one executed, 15 replays), none a 409; one charge per key.
-async fn double_click_gets_no_409(backend: Backend) {
+async fn double_click_gets_no_409(backend: TestDatabase) {
     let Some((database_url, sqlite)) = common::database(backend).await else {
         return;
     };
@@ -242,11 +242,11 @@ struct Ended {
 /// calls and the shop is SIGKILLed and restarted on the same port; then, from the database, each
 /// purchase answered 201 was charged exactly once and paid, and each answered with the
 /// definitive 502 `payment-failed` was charged nothing (or refunded) and given its money back.
-async fn purchases_survive_faults_and_kills(backend: Backend) {
+async fn purchases_survive_faults_and_kills(backend: TestDatabase) {
     // A shorter run on SQLite.
     let (operations, kills) = match backend {
-        Backend::Sqlite => (24, 6),
-        Backend::Postgres | Backend::MySql => (40, 10),
+        TestDatabase::Sqlite => (24, 6),
+        TestDatabase::Postgres | TestDatabase::MySql => (40, 10),
     };
     let Some((database_url, sqlite)) = common::database(backend).await else {
         return;

@@ -6,7 +6,7 @@ use common::{send, start, Reply, Shop};
 use futures_util::future::join_all;
 use serde_json::{json, Value};
 use std::collections::HashSet;
-use test_support::Backend;
+use test_support::TestDatabase;
 
 const TEA2: &str = r#"{"sku": "tea", "quantity": 2}"#;
 
@@ -52,7 +52,7 @@ async fn paid_order(base: &str, user: &str) -> i64 {
 }
 
 /// `/healthz` names the backend; purchases need a valid user.
-async fn health_and_authentication(backend: Backend) {
+async fn health_and_authentication(backend: TestDatabase) {
     let Some(shop) = common::fresh_shop(backend).await else {
         return;
     };
@@ -560,7 +560,7 @@ test_support::backend_tests! {
 }
 
 /// Faults: a second process on the same database whose providers fail.
-async fn unknown_outcomes(backend: Backend) {
+async fn unknown_outcomes(backend: TestDatabase) {
     let Some((url, sqlite)) = common::database(backend).await else {
         return;
     };

@@ -6,9 +6,9 @@ use crate::{MYSQL_VAR, POSTGRES_VAR};
 use std::{fmt, future::Future};
 
 /// A database the stores run on. [`backend_tests!`](crate::backend_tests) makes one test module
-/// per variant, named by [`Backend::name`].
+/// per variant, named by [`TestDatabase::name`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Backend {
+pub enum TestDatabase {
     /// A file in a temporary folder: always available.
     Sqlite,
     /// The server of `TEST_POSTGRES_URL`.
@@ -17,13 +17,13 @@ pub enum Backend {
     MySql,
 }
 
-impl Backend {
+impl TestDatabase {
     /// `sqlite`, `postgres` or `mysql`: the name of its test module and of its URL scheme.
     pub fn name(self) -> &'static str {
         match self {
-            Backend::Sqlite => "sqlite",
-            Backend::Postgres => "postgres",
-            Backend::MySql => "mysql",
+            TestDatabase::Sqlite => "sqlite",
+            TestDatabase::Postgres => "postgres",
+            TestDatabase::MySql => "mysql",
         }
     }
 
@@ -31,35 +31,35 @@ impl Backend {
     /// it is not, says so loudly and answers `false`, or fails the test under CI.
     pub fn available(self) -> bool {
         match self {
-            Backend::Sqlite => true,
-            Backend::Postgres => server_url(POSTGRES_VAR).is_some(),
-            Backend::MySql => server_url(MYSQL_VAR).is_some(),
+            TestDatabase::Sqlite => true,
+            TestDatabase::Postgres => server_url(POSTGRES_VAR).is_some(),
+            TestDatabase::MySql => server_url(MYSQL_VAR).is_some(),
         }
     }
 
     /// A new, empty database on it; `None` when it is not [available](Self::available).
     pub async fn fresh_database(self) -> Option<Database> {
         match self {
-            Backend::Sqlite => {
+            TestDatabase::Sqlite => {
                 let file = fresh_sqlite();
                 Some(Database {
                     url: file.url.clone(),
                     sqlite: Some(file),
                 })
             }
-            Backend::Postgres => fresh_postgres_url().await.map(Database::server),
-            Backend::MySql => fresh_mysql_url().await.map(Database::server),
+            TestDatabase::Postgres => fresh_postgres_url().await.map(Database::server),
+            TestDatabase::MySql => fresh_mysql_url().await.map(Database::server),
         }
     }
 }
 
-impl fmt::Display for Backend {
+impl fmt::Display for TestDatabase {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())
     }
 }
 
-/// A fresh database of [`Backend::fresh_database`].
+/// A fresh database of [`TestDatabase::fresh_database`].
 #[derive(Debug)]
 pub struct Database {
     /// Its URL.
@@ -75,23 +75,23 @@ impl Database {
 }
 
 /// What a scenario of [`backend_tests!`](crate::backend_tests) runs against, set up on one
-/// backend: a test app, a running service, a store... or the [`Backend`] itself.
+/// backend: a test app, a running service, a store... or the [`TestDatabase`] itself.
 pub trait Fixture: Sized {
-    /// Sets it up on `backend`; `None` when the backend is not [available](Backend::available)
+    /// Sets it up on `backend`; `None` when the backend is not [available](TestDatabase::available)
     /// (the test is then skipped, which CI does not allow).
-    fn open(backend: Backend) -> impl Future<Output = Option<Self>> + Send;
+    fn open(backend: TestDatabase) -> impl Future<Output = Option<Self>> + Send;
 }
 
 /// The scenario sets up what it needs itself.
-impl Fixture for Backend {
-    async fn open(backend: Backend) -> Option<Self> {
+impl Fixture for TestDatabase {
+    async fn open(backend: TestDatabase) -> Option<Self> {
         backend.available().then_some(backend)
     }
 }
 
 /// Runs `scenario` with its fixture opened on `backend`; nothing when that is skipped. The
 /// fixture's type is the scenario's parameter.
-pub async fn run<F, Fut>(backend: Backend, scenario: impl FnOnce(F) -> Fut)
+pub async fn run<F, Fut>(backend: TestDatabase, scenario: impl FnOnce(F) -> Fut)
 where
     F: Fixture,
     Fut: Future<Output = ()>,
@@ -101,7 +101,7 @@ where
     }
 }
 
-/// Instantiates each scenario once per [`Backend`], as `sqlite::name`, `postgres::name` and
+/// Instantiates each scenario once per [`TestDatabase`], as `sqlite::name`, `postgres::name` and
 /// `mysql::name`: each passes or fails on its own. The list of backends is written here only.
 ///
 /// ```text
@@ -114,13 +114,13 @@ where
 /// ```
 ///
 /// * A scenario is an `async fn name(fixture: F)`, with `F` any [`Fixture`]: opened on each
-///   backend (or the test skipped) and passed by value. `F` = [`Backend`] lets the scenario set
+///   backend (or the test skipped) and passed by value. `F` = [`TestDatabase`] lets the scenario set
 ///   up what it needs itself.
-/// * With `via m;`, the test for backend `B` is `m!(Backend::B, super::name)` instead: for
+/// * With `via m;`, the test for backend `B` is `m!(TestDatabase::B, super::name)` instead: for
 ///   `async fn name<S: Store>(store: S)` scenarios, `m` matches on the backend to open its store
 ///   type, which only the test crate knows. `m` expands in the generated module, so its paths
 ///   must be absolute (`crate::…`, `$crate::…`, extern crates).
-/// * `except MySql = "…";` leaves out the named backends (validated against [`Backend`]); the
+/// * `except MySql = "…";` leaves out the named backends (validated against [`TestDatabase`]); the
 ///   reason is mandatory. Prefer running everywhere: a new store gets the suite for free.
 ///
 /// Invoke it once per module: it defines the modules `sqlite`, `postgres` and `mysql` there.
@@ -142,9 +142,9 @@ where
 /// macro_rules! on_store {
 ///     ($backend:expr, $test:path) => {
 ///         match $backend {
-///             test_support::Backend::Sqlite => $test(crate::SqliteStore::open()).await,
-///             test_support::Backend::Postgres => $test(crate::PgStore::open()).await,
-///             test_support::Backend::MySql => $test(crate::MySqlStore::open()).await,
+///             test_support::TestDatabase::Sqlite => $test(crate::SqliteStore::open()).await,
+///             test_support::TestDatabase::Postgres => $test(crate::PgStore::open()).await,
+///             test_support::TestDatabase::MySql => $test(crate::MySqlStore::open()).await,
 ///         }
 ///     };
 /// }
@@ -160,7 +160,7 @@ where
 /// ```
 #[macro_export]
 macro_rules! backend_tests {
-    // The one list of backends: the test module's name and the `Backend` variant, for `$callback`.
+    // The one list of backends: the test module's name and the `TestDatabase` variant, for `$callback`.
     (@for_each_backend [$($callback:tt)*] [$($lead:tt)*] $($args:tt)*) => {
         $($callback)*! { $($lead)* sqlite Sqlite $($args)* }
         $($callback)*! { $($lead)* postgres Postgres $($args)* }
@@ -169,12 +169,12 @@ macro_rules! backend_tests {
     // One backend's module.
     (@module $module:ident $variant:ident $attrs:tt via $via:path; $($test:ident),+ $(,)?) => {
         mod $module {
-            $($crate::backend_tests! { @test $attrs $test { $via!($crate::Backend::$variant, super::$test) } })+
+            $($crate::backend_tests! { @test $attrs $test { $via!($crate::TestDatabase::$variant, super::$test) } })+
         }
     };
     (@module $module:ident $variant:ident $attrs:tt $($test:ident),+ $(,)?) => {
         mod $module {
-            $($crate::backend_tests! { @test $attrs $test { $crate::run($crate::Backend::$variant, super::$test).await } })+
+            $($crate::backend_tests! { @test $attrs $test { $crate::run($crate::TestDatabase::$variant, super::$test).await } })+
         }
     };
     (@test [$(#[$attr:meta])+] $test:ident { $($body:tt)* }) => {
@@ -185,7 +185,7 @@ macro_rules! backend_tests {
     };
     // A subset: a local macro drops the modules of the excepted backends.
     (@except ($d:tt) [$($attr:tt)+] [$($skip:ident)+] $($rest:tt)*) => {
-        $(const _: $crate::Backend = $crate::Backend::$skip;)+
+        $(const _: $crate::TestDatabase = $crate::TestDatabase::$skip;)+
         macro_rules! __backend_tests_unless_excepted {
             $(($d module:ident $skip $d($d rest:tt)*) => {};)+
             ($d($d args:tt)*) => { $crate::backend_tests! { @module $d($d args)* } };
@@ -203,7 +203,7 @@ macro_rules! backend_tests {
 
 #[cfg(test)]
 mod tests {
-    use super::{Backend, Database, Fixture};
+    use super::{Database, Fixture, TestDatabase};
 
     /// The test's name, which its thread bears.
     fn test_name() -> String {
@@ -211,7 +211,7 @@ mod tests {
     }
 
     /// Each module runs its own backend.
-    async fn each_module_runs_its_backend(backend: Backend) {
+    async fn each_module_runs_its_backend(backend: TestDatabase) {
         let name = test_name();
         assert!(
             name.ends_with(&format!("{backend}::each_module_runs_its_backend")),
@@ -222,7 +222,7 @@ mod tests {
     struct Fresh(Database);
 
     impl Fixture for Fresh {
-        async fn open(backend: Backend) -> Option<Self> {
+        async fn open(backend: TestDatabase) -> Option<Self> {
             backend.fresh_database().await.map(Fresh)
         }
     }
@@ -243,10 +243,10 @@ mod tests {
     }
 
     mod except {
-        use crate::Backend;
+        use crate::TestDatabase;
 
-        async fn never_runs_on_the_excepted(backend: Backend) {
-            assert_ne!(backend, Backend::MySql);
+        async fn never_runs_on_the_excepted(backend: TestDatabase) {
+            assert_ne!(backend, TestDatabase::MySql);
         }
 
         crate::backend_tests! {
@@ -257,11 +257,11 @@ mod tests {
     }
 
     mod via {
-        use crate::Backend;
+        use crate::TestDatabase;
 
         /// Stands for a store type per backend.
         trait Store {
-            const BACKEND: Backend;
+            const BACKEND: TestDatabase;
         }
 
         struct Lite;
@@ -269,21 +269,21 @@ mod tests {
         struct My;
 
         impl Store for Lite {
-            const BACKEND: Backend = Backend::Sqlite;
+            const BACKEND: TestDatabase = TestDatabase::Sqlite;
         }
         impl Store for Pg {
-            const BACKEND: Backend = Backend::Postgres;
+            const BACKEND: TestDatabase = TestDatabase::Postgres;
         }
         impl Store for My {
-            const BACKEND: Backend = Backend::MySql;
+            const BACKEND: TestDatabase = TestDatabase::MySql;
         }
 
         macro_rules! on_store {
             ($backend:expr, $test:path) => {
                 match $backend {
-                    $crate::Backend::Sqlite => $test(super::Lite).await,
-                    $crate::Backend::Postgres => $test(super::Pg).await,
-                    $crate::Backend::MySql => $test(super::My).await,
+                    $crate::TestDatabase::Sqlite => $test(super::Lite).await,
+                    $crate::TestDatabase::Postgres => $test(super::Pg).await,
+                    $crate::TestDatabase::MySql => $test(super::My).await,
                 }
             };
         }

@@ -18,21 +18,21 @@
 //!
 //! # Every test on every backend
 //!
-//! [`backend_tests!`] is the only place that lists the backends ([`Backend`]): it turns each
+//! [`backend_tests!`] is the only place that lists the backends ([`TestDatabase`]): it turns each
 //! scenario into one test per backend, `sqlite::name`, `postgres::name` and `mysql::name`, so a new
 //! backend gets every crate's suite as its conformance suite. A scenario takes a [`Fixture`]
-//! (a test app, a service...) opened on the backend, or the [`Backend`] itself; tests generic over
+//! (a test app, a service...) opened on the backend, or the [`TestDatabase`] itself; tests generic over
 //! a store type go `via` a macro of the test crate that maps a backend to its store. A system that
 //! does not support a backend yet names it in `except`, with the reason.
 //!
 //! ```
-//! use test_support::{Backend, Database, Fixture};
+//! use test_support::{TestDatabase, Database, Fixture};
 //!
 //! /// What the scenarios need: here, just a fresh database.
 //! struct Db(Database);
 //!
 //! impl Fixture for Db {
-//!     async fn open(backend: Backend) -> Option<Self> {
+//!     async fn open(backend: TestDatabase) -> Option<Self> {
 //!         backend.fresh_database().await.map(Db)
 //!     }
 //! }
@@ -42,7 +42,7 @@
 //! }
 //!
 //! /// The scenario may set up what it needs itself.
-//! async fn knows_its_backend(backend: Backend) {
+//! async fn knows_its_backend(backend: TestDatabase) {
 //!     assert!(["sqlite", "postgres", "mysql"].contains(&backend.name()));
 //! }
 //!
@@ -54,7 +54,7 @@
 //! }
 //!
 //! mod subset {
-//!     async fn runs(backend: test_support::Backend) {}
+//!     async fn runs(backend: test_support::TestDatabase) {}
 //!
 //!     // Tests `sqlite::runs` and `postgres::runs`.
 //!     test_support::backend_tests! {
@@ -69,7 +69,7 @@
 mod harness;
 pub mod proxy;
 
-pub use harness::{run, Backend, Database, Fixture};
+pub use harness::{run, Database, Fixture, TestDatabase};
 
 use sqlx::{Connection, Executor};
 use std::path::PathBuf;

@@ -52,7 +52,7 @@ pub fn unique(prefix: &str) -> String {
 }
 
 /// A store on a fresh database with the business table `applied (message_id, body)`.
-pub trait Backend: Store + idempotency::CompletionSignal + Sized {
+pub trait TestStore: Store + idempotency::CompletionSignal + Sized {
     /// The backend's name, for messages.
     const NAME: &'static str;
 
@@ -61,7 +61,7 @@ pub trait Backend: Store + idempotency::CompletionSignal + Sized {
 
     /// The business write, in the business transaction.
     fn apply<'t>(
-        tx: &'t mut Transaction<'static, Self::Database>,
+        tx: &'t mut Transaction<'_, Self::Database>,
         message_id: &'t str,
         body: &'t str,
     ) -> futures_util::future::BoxFuture<'t, Result<(), sqlx::Error>>;
@@ -77,7 +77,7 @@ pub trait Backend: Store + idempotency::CompletionSignal + Sized {
 static SQLITE_FILES: std::sync::Mutex<Vec<test_support::SqliteFile>> =
     std::sync::Mutex::new(Vec::new());
 
-impl Backend for SqliteStore {
+impl TestStore for SqliteStore {
     const NAME: &'static str = "sqlite";
 
     async fn open() -> Option<Self> {
@@ -93,7 +93,7 @@ impl Backend for SqliteStore {
     }
 
     fn apply<'t>(
-        tx: &'t mut Transaction<'static, sqlx::Sqlite>,
+        tx: &'t mut Transaction<'_, sqlx::Sqlite>,
         message_id: &'t str,
         body: &'t str,
     ) -> futures_util::future::BoxFuture<'t, Result<(), sqlx::Error>> {
@@ -123,7 +123,7 @@ impl Backend for SqliteStore {
     }
 }
 
-impl Backend for PgStore {
+impl TestStore for PgStore {
     const NAME: &'static str = "postgres";
 
     async fn open() -> Option<Self> {
@@ -143,7 +143,7 @@ impl Backend for PgStore {
     }
 
     fn apply<'t>(
-        tx: &'t mut Transaction<'static, sqlx::Postgres>,
+        tx: &'t mut Transaction<'_, sqlx::Postgres>,
         message_id: &'t str,
         body: &'t str,
     ) -> futures_util::future::BoxFuture<'t, Result<(), sqlx::Error>> {
@@ -173,7 +173,7 @@ impl Backend for PgStore {
     }
 }
 
-impl Backend for MySqlStore {
+impl TestStore for MySqlStore {
     const NAME: &'static str = "mysql";
 
     async fn open() -> Option<Self> {
@@ -195,7 +195,7 @@ impl Backend for MySqlStore {
     }
 
     fn apply<'t>(
-        tx: &'t mut Transaction<'static, sqlx::MySql>,
+        tx: &'t mut Transaction<'_, sqlx::MySql>,
         message_id: &'t str,
         body: &'t str,
     ) -> futures_util::future::BoxFuture<'t, Result<(), sqlx::Error>> {
@@ -225,7 +225,7 @@ impl Backend for MySqlStore {
     }
 }
 
-/// Runs the generic test `$test` (`async fn name<S: Backend>(store: S)`) on `$backend`'s store:
+/// Runs the generic test `$test` (`async fn name<S: TestStore>(store: S)`) on `$backend`'s store:
 /// this crate's map from a backend to its store type, for the `via` of
 /// `test_support::backend_tests!`, which lists the backends. Exhaustive: a backend added there
 /// must be given its store here.
@@ -233,13 +233,13 @@ impl Backend for MySqlStore {
 macro_rules! on_store {
     ($backend:expr, $test:path) => {
         match $backend {
-            test_support::Backend::Sqlite => {
+            test_support::TestDatabase::Sqlite => {
                 $crate::common::run_on_fresh::<idempotency::SqliteStore, _>($test).await
             }
-            test_support::Backend::Postgres => {
+            test_support::TestDatabase::Postgres => {
                 $crate::common::run_on_fresh::<idempotency::PgStore, _>($test).await
             }
-            test_support::Backend::MySql => {
+            test_support::TestDatabase::MySql => {
                 $crate::common::run_on_fresh::<idempotency::MySqlStore, _>($test).await
             }
         }
@@ -247,7 +247,7 @@ macro_rules! on_store {
 }
 
 /// Runs `test` on a fresh `S`; nothing when the backend is skipped.
-pub async fn run_on_fresh<S: Backend, Fut: Future<Output = ()>>(test: impl FnOnce(S) -> Fut) {
+pub async fn run_on_fresh<S: TestStore, Fut: Future<Output = ()>>(test: impl FnOnce(S) -> Fut) {
     if let Some(store) = S::open().await {
         test(store).await;
     }

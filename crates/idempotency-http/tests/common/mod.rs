@@ -456,11 +456,11 @@ impl TestApp {
 
 /// The app on a fresh database of the backend.
 impl test_support::Fixture for TestApp {
-    async fn open(backend: test_support::Backend) -> Option<Self> {
+    async fn open(backend: test_support::TestDatabase) -> Option<Self> {
         match backend {
-            test_support::Backend::Sqlite => Some(Self::sqlite().await),
-            test_support::Backend::Postgres => Self::postgres().await,
-            test_support::Backend::MySql => Self::mysql().await,
+            test_support::TestDatabase::Sqlite => Some(Self::sqlite().await),
+            test_support::TestDatabase::Postgres => Self::postgres().await,
+            test_support::TestDatabase::MySql => Self::mysql().await,
         }
     }
 }

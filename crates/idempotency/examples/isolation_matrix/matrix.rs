@@ -82,7 +82,7 @@ impl Config {
 
 /// A database of the matrix.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Backend {
+pub enum Engine {
     /// PostgreSQL.
     Postgres,
     /// MariaDB or MySQL, InnoDB.
@@ -91,30 +91,30 @@ pub enum Backend {
     Sqlite,
 }
 
-impl Backend {
+impl Engine {
     /// Every backend, in table order.
-    pub const ALL: [Backend; 3] = [Backend::Postgres, Backend::MariaDb, Backend::Sqlite];
+    pub const ALL: [Engine; 3] = [Engine::Postgres, Engine::MariaDb, Engine::Sqlite];
 
     /// The levels the matrix runs on this backend.
     pub fn levels(self) -> &'static [Level] {
         match self {
-            Backend::Postgres => &[
+            Engine::Postgres => &[
                 Level::ReadCommitted,
                 Level::RepeatableRead,
                 Level::Serializable,
             ],
-            Backend::MariaDb => &[Level::ReadCommitted, Level::RepeatableRead],
-            Backend::Sqlite => &[Level::SqliteSerializable],
+            Engine::MariaDb => &[Level::ReadCommitted, Level::RepeatableRead],
+            Engine::Sqlite => &[Level::SqliteSerializable],
         }
     }
 }
 
-impl fmt::Display for Backend {
+impl fmt::Display for Engine {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
-            Backend::Postgres => "PostgreSQL",
-            Backend::MariaDb => "MariaDB/InnoDB",
-            Backend::Sqlite => "SQLite (WAL)",
+            Engine::Postgres => "PostgreSQL",
+            Engine::MariaDb => "MariaDB/InnoDB",
+            Engine::Sqlite => "SQLite (WAL)",
         })
     }
 }
@@ -171,11 +171,11 @@ impl Approach {
         Approach::ReserveFirst,
     ];
 
-    fn label(self, backend: Backend) -> &'static str {
+    fn label(self, backend: Engine) -> &'static str {
         match (self, backend) {
-            (Approach::CheckThenInsert, Backend::Sqlite) => "(a) pre-check, then insert",
+            (Approach::CheckThenInsert, Engine::Sqlite) => "(a) pre-check, then insert",
             (Approach::CheckThenInsert, _) => "(a) check-then-insert",
-            (Approach::ForUpdate, Backend::Sqlite) => "(b) deferred tx read+write",
+            (Approach::ForUpdate, Engine::Sqlite) => "(b) deferred tx read+write",
             (Approach::ForUpdate, _) => "(b) SELECT FOR UPDATE",
             (Approach::ReserveFirst, _) => "(c) reserve-first",
         }
@@ -220,7 +220,7 @@ impl Counts {
 #[derive(Debug, Clone)]
 pub struct Cell {
     /// The database.
-    pub backend: Backend,
+    pub backend: Engine,
     /// The level every connection of the cell ran at.
     pub level: Level,
     /// The level as the server reported it inside a transaction.
@@ -235,16 +235,16 @@ pub struct Cell {
 
 /// A backend's rows and its version.
 #[derive(Debug, Clone)]
-pub struct BackendReport {
+pub struct EngineReport {
     /// The database.
-    pub backend: Backend,
+    pub backend: Engine,
     /// `SELECT version()` (SQLite: `sqlite_version()`).
     pub version: String,
     /// Its cells, level by level, approach by approach.
     pub cells: Vec<Cell>,
 }
 
-impl BackendReport {
+impl EngineReport {
     /// The cell of `level` and `approach`.
     pub fn cell(&self, level: Level, approach: Approach) -> &Cell {
         self.cells
@@ -472,9 +472,9 @@ fn pg_effect<'t>(
     })
 }
 
-async fn postgres(config: Config) -> Option<BackendReport> {
-    let mut report = None::<BackendReport>;
-    for &level in Backend::Postgres.levels() {
+async fn postgres(config: Config) -> Option<EngineReport> {
+    let mut report = None::<EngineReport>;
+    for &level in Engine::Postgres.levels() {
         let url = test_support::fresh_postgres_url().await?;
         let pool = pg_pool(&url, level, config.workers as u32 + 4).await;
         for ddl in [
@@ -490,8 +490,8 @@ async fn postgres(config: Config) -> Option<BackendReport> {
         }
         let store = PgStore::new(pool.clone());
         store.migrate().await.expect("migrate");
-        let report = report.get_or_insert_with(|| BackendReport {
-            backend: Backend::Postgres,
+        let report = report.get_or_insert_with(|| EngineReport {
+            backend: Engine::Postgres,
             version: String::new(),
             cells: Vec::new(),
         });
@@ -542,7 +542,7 @@ async fn postgres(config: Config) -> Option<BackendReport> {
                 }
             };
             report.cells.push(Cell {
-                backend: Backend::Postgres,
+                backend: Engine::Postgres,
                 level,
                 level_shown: level_shown.clone(),
                 approach,
@@ -620,9 +620,9 @@ fn mysql_effect<'t>(
     })
 }
 
-async fn mariadb(config: Config) -> Option<BackendReport> {
-    let mut report = None::<BackendReport>;
-    for &level in Backend::MariaDb.levels() {
+async fn mariadb(config: Config) -> Option<EngineReport> {
+    let mut report = None::<EngineReport>;
+    for &level in Engine::MariaDb.levels() {
         let url = test_support::fresh_mysql_url().await?;
         let pool = mysql_pool(&url, level, config.workers as u32 + 4).await;
         for ddl in [
@@ -638,8 +638,8 @@ async fn mariadb(config: Config) -> Option<BackendReport> {
         }
         let store = MySqlStore::new(pool.clone());
         store.migrate().await.expect("migrate");
-        let report = report.get_or_insert_with(|| BackendReport {
-            backend: Backend::MariaDb,
+        let report = report.get_or_insert_with(|| EngineReport {
+            backend: Engine::MariaDb,
             version: String::new(),
             cells: Vec::new(),
         });
@@ -697,7 +697,7 @@ async fn mariadb(config: Config) -> Option<BackendReport> {
                 }
             };
             report.cells.push(Cell {
-                backend: Backend::MariaDb,
+                backend: Engine::MariaDb,
                 level,
                 level_shown: level_shown.clone(),
                 approach,
@@ -783,7 +783,7 @@ fn sqlite_effect<'t>(
     })
 }
 
-async fn sqlite(config: Config) -> Option<BackendReport> {
+async fn sqlite(config: Config) -> Option<EngineReport> {
     let level = Level::SqliteSerializable;
     let file = test_support::fresh_sqlite();
     let store = SqliteStore::connect(&file.url).await.expect("open sqlite");
@@ -844,7 +844,7 @@ async fn sqlite(config: Config) -> Option<BackendReport> {
             }
         };
         cells.push(Cell {
-            backend: Backend::Sqlite,
+            backend: Engine::Sqlite,
             level,
             level_shown: format!("serializable, journal_mode={journal}"),
             approach,
@@ -854,24 +854,24 @@ async fn sqlite(config: Config) -> Option<BackendReport> {
     }
     pool.close().await;
     drop(file);
-    Some(BackendReport {
-        backend: Backend::Sqlite,
+    Some(EngineReport {
+        backend: Engine::Sqlite,
         version,
         cells,
     })
 }
 
 /// Runs every cell of `backend`; `None` when its server is not configured (never under CI).
-pub async fn run_backend(backend: Backend, config: Config) -> Option<BackendReport> {
+pub async fn run_backend(backend: Engine, config: Config) -> Option<EngineReport> {
     match backend {
-        Backend::Postgres => postgres(config).await,
-        Backend::MariaDb => mariadb(config).await,
-        Backend::Sqlite => sqlite(config).await,
+        Engine::Postgres => postgres(config).await,
+        Engine::MariaDb => mariadb(config).await,
+        Engine::Sqlite => sqlite(config).await,
     }
 }
 
 /// The table, as Markdown.
-pub fn render(config: &Config, reports: &[BackendReport]) -> String {
+pub fn render(config: &Config, reports: &[EngineReport]) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,

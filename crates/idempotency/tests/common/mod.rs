@@ -259,13 +259,13 @@ async fn hold_all<DB: sqlx::Database>(
 macro_rules! on_store {
     ($backend:expr, $test:path) => {
         match $backend {
-            test_support::Backend::Sqlite => {
+            test_support::TestDatabase::Sqlite => {
                 $crate::common::run_on_fresh::<idempotency::SqliteStore, _>($test).await
             }
-            test_support::Backend::Postgres => {
+            test_support::TestDatabase::Postgres => {
                 $crate::common::run_on_fresh::<idempotency::PgStore, _>($test).await
             }
-            test_support::Backend::MySql => {
+            test_support::TestDatabase::MySql => {
                 $crate::common::run_on_fresh::<idempotency::MySqlStore, _>($test).await
             }
         }

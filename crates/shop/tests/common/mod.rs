@@ -6,7 +6,7 @@ use std::{
     process::{Child, Command, Stdio},
     time::Duration,
 };
-use test_support::Backend;
+use test_support::TestDatabase;
 
 /// A running `shop` process, killed on drop.
 pub struct Shop {
@@ -24,7 +24,7 @@ impl Drop for Shop {
 }
 
 /// A fresh database of `backend` (its URL and, for SQLite, its file); `None` when skipped.
-pub async fn database(backend: Backend) -> Option<(String, Option<test_support::SqliteFile>)> {
+pub async fn database(backend: TestDatabase) -> Option<(String, Option<test_support::SqliteFile>)> {
     let database = backend.fresh_database().await?;
     Some((database.url, database.sqlite))
 }
@@ -58,14 +58,14 @@ pub fn start(url: &str, sqlite: Option<test_support::SqliteFile>, extra: &[&str]
 }
 
 /// A shop on a fresh database of `backend`, for one scenario; `None` when skipped.
-pub async fn fresh_shop(backend: Backend) -> Option<Shop> {
+pub async fn fresh_shop(backend: TestDatabase) -> Option<Shop> {
     let (url, sqlite) = database(backend).await?;
     Some(start(&url, sqlite, &[]))
 }
 
 /// The fixture of the scenarios of `test_support::backend_tests!`: a shop of its own.
 impl test_support::Fixture for Shop {
-    async fn open(backend: Backend) -> Option<Self> {
+    async fn open(backend: TestDatabase) -> Option<Self> {
         fresh_shop(backend).await
     }
 }

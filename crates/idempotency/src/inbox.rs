@@ -1,8 +1,8 @@
-//! Queue consumers: exactly-once **effects** on at-least-once **delivery**, for any broker.
+//! The queue's inbox: exactly-once **effects** on at-least-once **delivery**, for any broker.
 
 use crate::{
     disposition::Disposition,
-    error::{Error, StoreError},
+    error::{BoxError, Error, StoreError},
     error::{PerformError, StepError},
     key::{InvalidKey, MAX_PART_LEN},
     operation::Operation,
@@ -12,26 +12,26 @@ use crate::{
     },
     Fingerprint, IdempotencyKey,
 };
-use futures_util::{future::BoxFuture, FutureExt};
+use futures_util::FutureExt;
 use serde::{de::DeserializeOwned, Serialize};
 use std::{any::Any, fmt, panic::AssertUnwindSafe, time::Duration};
 
 /// What a failure record's operation adds to the message type: `#failure-` and up to 10 digits.
 const FAILURE_SUFFIX_MAX: usize = "#failure-".len() + 10;
 
-/// The longest message type a consumer accepts, so that its failure records' operation fits in
+/// The longest message type an inbox accepts, so that its failure records' operation fits in
 /// [`MAX_PART_LEN`].
 pub const MAX_MESSAGE_TYPE_LEN: usize = MAX_PART_LEN - FAILURE_SUFFIX_MAX;
 
-/// The longest error text kept in a failure record or a [`Decision`].
+/// The longest error text kept in a failure record or a [`DeliveryAction`].
 const MAX_REASON_CHARS: usize = 1000;
 
 /// How many times a failure record is tried again when the row it met vanished meanwhile.
 const RECORD_ATTEMPTS: u32 = 8;
 
-/// One delivered message, as the idempotency key and fingerprint it is checked under.
+/// The constructors of a queue message's [`Attempt`]: its idempotency key and fingerprint.
 ///
-/// * `scope`: who consumes it, e.g. the queue or the consumer group (two groups that both apply
+/// * `scope`: who handles it, e.g. the queue or the consumer group (two groups that both apply
 ///   a message each get their own key);
 /// * `message_type`: what it asks for (`"order.paid"`), the key's operation;
 /// * `id`: the message id the producer chose once and reuses on every resend (1..=255 printable
@@ -40,56 +40,83 @@ const RECORD_ATTEMPTS: u32 = 8;
 ///   matter), the bytes as they are otherwise. The same id with another payload is dead-lettered.
 ///
 /// ```
-/// use idempotency::Message;
-/// let a = Message::json_bytes("billing", "invoice.send", "m-1", br#"{"a": 1, "b": 2}"#)?;
-/// let b = Message::json("billing", "invoice.send", "m-1", &serde_json::json!({"b": 2, "a": 1}))?;
+/// use idempotency::Attempt;
+/// let a = Attempt::message_json_bytes("billing", "invoice.send", "m-1", br#"{"a": 1, "b": 2}"#)?;
+/// let b = Attempt::message_json("billing", "invoice.send", "m-1", &serde_json::json!({"b": 2, "a": 1}))?;
 /// assert_eq!(a.fingerprint(), b.fingerprint());
 /// assert_eq!(a.key().to_string(), "billing/invoice.send/m-1");
 /// # Ok::<(), idempotency::InvalidMessage>(())
 /// ```
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Message {
-    key: IdempotencyKey,
-    fingerprint: Fingerprint,
-}
-
-impl Message {
-    /// A message whose payload is a serialisable value, fingerprinted as canonical JSON.
-    pub fn json<T: Serialize>(
+impl Attempt {
+    /// The attempt of a message whose payload is a serialisable value, fingerprinted as
+    /// canonical JSON.
+    ///
+    /// ```
+    /// use idempotency::Attempt;
+    /// let paid = Attempt::message_json("shipping", "order.paid", "m-1", &serde_json::json!({"order": 7}))?;
+    /// assert_eq!(paid.key().operation(), "order.paid");
+    /// # Ok::<(), idempotency::InvalidMessage>(())
+    /// ```
+    pub fn message_json<T: Serialize>(
         scope: &str,
         message_type: &str,
         id: &str,
         payload: &T,
     ) -> Result<Self, InvalidMessage> {
         let fingerprint = Fingerprint::of_json(payload).map_err(InvalidMessage::Json)?;
-        Self::with_fingerprint(scope, message_type, id, fingerprint)
+        Self::message_with_fingerprint(scope, message_type, id, fingerprint)
     }
 
-    /// A message whose payload is a JSON document as delivered, fingerprinted as canonical JSON;
-    /// fails if the bytes are not JSON.
-    pub fn json_bytes(
+    /// The attempt of a message whose payload is a JSON document as delivered, fingerprinted as
+    /// canonical JSON; fails if the bytes are not JSON.
+    ///
+    /// ```
+    /// use idempotency::{Attempt, InvalidMessage};
+    /// assert!(Attempt::message_json_bytes("q", "t", "m-1", br#"{"a": 1}"#).is_ok());
+    /// let error = Attempt::message_json_bytes("q", "t", "m-1", b"not json").unwrap_err();
+    /// assert!(matches!(error, InvalidMessage::Json(_)));
+    /// ```
+    pub fn message_json_bytes(
         scope: &str,
         message_type: &str,
         id: &str,
         payload: &[u8],
     ) -> Result<Self, InvalidMessage> {
         let fingerprint = Fingerprint::of_json_bytes(payload).map_err(InvalidMessage::Json)?;
-        Self::with_fingerprint(scope, message_type, id, fingerprint)
+        Self::message_with_fingerprint(scope, message_type, id, fingerprint)
     }
 
-    /// A message whose payload is opaque bytes (protobuf, Avro …), fingerprinted as they are.
-    pub fn bytes(
+    /// The attempt of a message whose payload is opaque bytes (protobuf, Avro …), fingerprinted
+    /// as they are.
+    ///
+    /// ```
+    /// use idempotency::{Attempt, Fingerprint};
+    /// let raw = Attempt::message_bytes("q", "t", "m-1", b"\x08\x01")?;
+    /// assert_eq!(*raw.fingerprint(), Fingerprint::of_bytes(b"\x08\x01"));
+    /// # Ok::<(), idempotency::InvalidMessage>(())
+    /// ```
+    pub fn message_bytes(
         scope: &str,
         message_type: &str,
         id: &str,
         payload: &[u8],
     ) -> Result<Self, InvalidMessage> {
-        Self::with_fingerprint(scope, message_type, id, Fingerprint::of_bytes(payload))
+        Self::message_with_fingerprint(scope, message_type, id, Fingerprint::of_bytes(payload))
     }
 
-    /// A message with a fingerprint computed by the caller (for example over a payload and
-    /// selected headers, with [`Fingerprint::builder`]).
-    pub fn with_fingerprint(
+    /// The attempt of a message with a fingerprint computed by the caller (for example over a
+    /// payload and selected headers, with [`Fingerprint::builder`]). The message type may be at
+    /// most [`MAX_MESSAGE_TYPE_LEN`] bytes long.
+    ///
+    /// ```
+    /// use idempotency::{Attempt, Fingerprint, InvalidMessage, MAX_MESSAGE_TYPE_LEN};
+    /// let fingerprint = Fingerprint::of_bytes(b"body");
+    /// assert!(Attempt::message_with_fingerprint("q", "t", "m-1", fingerprint).is_ok());
+    /// let long = "t".repeat(MAX_MESSAGE_TYPE_LEN + 1);
+    /// let error = Attempt::message_with_fingerprint("q", &long, "m-1", fingerprint).unwrap_err();
+    /// assert!(matches!(error, InvalidMessage::TypeTooLong { .. }));
+    /// ```
+    pub fn message_with_fingerprint(
         scope: &str,
         message_type: &str,
         id: &str,
@@ -100,29 +127,19 @@ impl Message {
                 len: message_type.len(),
             });
         }
-        Ok(Self {
-            key: IdempotencyKey::new(scope, message_type, id)?,
+        Ok(Self::new(
+            IdempotencyKey::new(scope, message_type, id)?,
             fingerprint,
-        })
-    }
-
-    /// The idempotency key: `(scope, message type, id)`.
-    pub fn key(&self) -> &IdempotencyKey {
-        &self.key
-    }
-
-    /// The payload's fingerprint.
-    pub fn fingerprint(&self) -> Fingerprint {
-        self.fingerprint
+        ))
     }
 }
 
-/// Why a [`Message`] could not be made. A transport dead-letters such a delivery: no redelivery
+/// Why a message's [`Attempt`] could not be made. A transport dead-letters such a delivery: no redelivery
 /// can fix it.
 ///
 /// ```
-/// use idempotency::{InvalidMessage, Message};
-/// let error = Message::json_bytes("q", "t", "m-1", b"not json").unwrap_err();
+/// use idempotency::{Attempt, InvalidMessage};
+/// let error = Attempt::message_json_bytes("q", "t", "m-1", b"not json").unwrap_err();
 /// assert!(matches!(error, InvalidMessage::Json(_)));
 /// ```
 #[derive(Debug, thiserror::Error)]
@@ -132,7 +149,7 @@ pub enum InvalidMessage {
     #[error(transparent)]
     Key(#[from] InvalidKey),
     /// The message type is longer than [`MAX_MESSAGE_TYPE_LEN`] bytes.
-    #[error("the message type is {len} bytes long; a consumer accepts at most {max}", max = MAX_MESSAGE_TYPE_LEN)]
+    #[error("the message type is {len} bytes long; an inbox accepts at most {max}", max = MAX_MESSAGE_TYPE_LEN)]
     TypeTooLong {
         /// Its length in bytes.
         len: usize,
@@ -142,18 +159,18 @@ pub enum InvalidMessage {
     Json(#[source] serde_json::Error),
 }
 
-/// What the transport should do with a delivery, as [`Consumer::handle`] decided it.
+/// What the transport should do with a delivery, as [`Inbox::handle`] decided it.
 ///
 /// ```
-/// use idempotency::Decision;
+/// use idempotency::DeliveryAction;
 /// use std::time::Duration;
-/// let decision = Decision::RetryLater { delay: Duration::from_millis(200) };
-/// assert!(!decision.is_ack());
-/// assert_eq!(decision.delay(), Some(Duration::from_millis(200)));
+/// let action = DeliveryAction::RetryLater { delay: Duration::from_millis(200) };
+/// assert!(!action.is_ack());
+/// assert_eq!(action.delay(), Some(Duration::from_millis(200)));
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
-pub enum Decision {
+pub enum DeliveryAction {
     /// Acknowledge: the effect is committed, by this delivery or (`replayed`) an earlier one.
     Ack {
         /// Whether an earlier delivery had already applied the message.
@@ -173,33 +190,37 @@ pub enum Decision {
         /// What failed.
         reason: String,
     },
-    /// Never deliver this message again to this consumer: route it to the dead-letter queue.
+    /// Never deliver this message again to this inbox: route it to the dead-letter queue.
     DeadLetter(DeadLetter),
 }
 
-impl Decision {
+impl DeliveryAction {
     /// Whether the delivery should be acknowledged.
     pub fn is_ack(&self) -> bool {
-        matches!(self, Decision::Ack { .. })
+        matches!(self, DeliveryAction::Ack { .. })
     }
 
     /// How long to wait before a redelivery, for `RetryLater` and `Retry`.
     pub fn delay(&self) -> Option<Duration> {
         match self {
-            Decision::RetryLater { delay } | Decision::Retry { delay, .. } => Some(*delay),
+            DeliveryAction::RetryLater { delay } | DeliveryAction::Retry { delay, .. } => {
+                Some(*delay)
+            }
             _ => None,
         }
     }
 }
 
-impl fmt::Display for Decision {
+impl fmt::Display for DeliveryAction {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Decision::Ack { replayed: false } => f.write_str("ack (executed)"),
-            Decision::Ack { replayed: true } => f.write_str("ack (replayed)"),
-            Decision::RetryLater { delay } => write!(f, "retry after {delay:?} (in progress)"),
-            Decision::Retry { delay, reason } => write!(f, "retry after {delay:?}: {reason}"),
-            Decision::DeadLetter(why) => write!(f, "dead-letter: {why}"),
+            DeliveryAction::Ack { replayed: false } => f.write_str("ack (executed)"),
+            DeliveryAction::Ack { replayed: true } => f.write_str("ack (replayed)"),
+            DeliveryAction::RetryLater { delay } => {
+                write!(f, "retry after {delay:?} (in progress)")
+            }
+            DeliveryAction::Retry { delay, reason } => write!(f, "retry after {delay:?}: {reason}"),
+            DeliveryAction::DeadLetter(why) => write!(f, "dead-letter: {why}"),
         }
     }
 }
@@ -219,7 +240,7 @@ pub enum DeadLetter {
     /// The id was used before with another payload: a producer's bug, not a redelivery. The
     /// payload was not applied.
     PayloadMismatch,
-    /// The work failed [`max_failures`](Consumer::with_max_failures) times (a poison message).
+    /// The work failed [`max_failures`](Inbox::with_max_failures) times (a poison message).
     Poison {
         /// Failures recorded for the message.
         failures: u32,
@@ -270,7 +291,7 @@ impl fmt::Display for DeadLetter {
     }
 }
 
-/// How a failed work's error should be treated; see [`Consumer::handle_with`].
+/// How a failed work's error should be treated; see [`Inbox::handle_with`].
 ///
 /// ```
 /// use idempotency::FailureKind;
@@ -284,8 +305,8 @@ impl fmt::Display for DeadLetter {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum FailureKind {
-    /// May succeed on a redelivery: [`Decision::Retry`] with backoff, counted toward
-    /// [`max_failures`](Consumer::with_max_failures).
+    /// May succeed on a redelivery: [`DeliveryAction::Retry`] with backoff, counted toward
+    /// [`max_failures`](Inbox::with_max_failures).
     Transient,
     /// No redelivery can succeed (a business rule refuses the message): dead-lettered at once.
     Definitive,
@@ -294,29 +315,29 @@ pub enum FailureKind {
     Unavailable,
 }
 
-/// Runs messages' work at most once per `(scope, message type, id)` and says what to do with
-/// each delivery. Cheap to clone; share one per queue.
-///
-/// Queue consumers: exactly-once **effects** on at-least-once **delivery**, for any broker.
+/// An idempotent inbox: runs a message's work at most once per `(scope, message type, id)` and
+/// says what to do with each delivery of it. It consumes nothing itself: the transport (a
+/// broker's consumer loop, a job runner) hands it one message at a time. Cheap to clone; share
+/// one per queue.
 ///
 /// A broker redelivers a message when a consumer dies before acknowledging it, when a publisher
-/// retries, or when a job is re-queued. A [`Consumer`] runs the message's work under the
+/// retries, or when a job is re-queued. An [`Inbox`] runs the message's work under the
 /// idempotency key `(scope, message type, message id)` with [`Idempotency::run`]: the work and the
 /// key's completion commit in one transaction, so the effect happens once however many copies
-/// arrive, and the answer is a [`Decision`] the transport turns into an ack, a requeue or a
+/// arrive, and the answer is a [`DeliveryAction`] the transport turns into an ack, a requeue or a
 /// dead-letter. Acknowledge only once `handle` returned: the business transaction has then
 /// committed (or rolled back), so a crash before the ack costs a redelivery, which is acked as
 /// a replay.
 ///
-/// | what happened | [`Decision`] | the key |
+/// | what happened | [`DeliveryAction`] | the key |
 /// |---|---|---|
 /// | the work ran and committed | `Ack { replayed: false }` | completed |
 /// | an earlier copy completed (same payload) | `Ack { replayed: true }` | completed |
-/// | another copy is running now, and completes within [`with_in_progress_wait`](Consumer::with_in_progress_wait) | `Ack { replayed: true }` | completed |
+/// | another copy is running now, and completes within [`with_in_progress_wait`](Inbox::with_in_progress_wait) | `Ack { replayed: true }` | completed |
 /// | another copy is running now, and still is after the wait | `RetryLater { delay }` | pending (theirs) |
 /// | the same id with another payload | `DeadLetter(PayloadMismatch)` | untouched; never applied |
 /// | the work failed ([`FailureKind::Transient`], a panic) | `Retry { delay, .. }`, with backoff | released; the failure is counted |
-/// | … for the [`max_failures`](Consumer::with_max_failures)-th time (poison) | `DeadLetter(Poison)` | released; counted |
+/// | … for the [`max_failures`](Inbox::with_max_failures)-th time (poison) | `DeadLetter(Poison)` | released; counted |
 /// | the work failed for good ([`FailureKind::Definitive`]) | `DeadLetter(Definitive)` | released |
 /// | a dependency is down ([`FailureKind::Unavailable`], the store unreachable) | `Retry { delay, .. }` | released; not counted |
 /// | the key is parked as *needs review* | `DeadLetter(NeedsReview)` | needs review |
@@ -324,10 +345,10 @@ pub enum FailureKind {
 /// # Counting failures
 ///
 /// Brokers do not agree on a delivery count (a RabbitMQ classic queue only says *redelivered*,
-/// Kafka says nothing), so the consumer counts failed attempts itself, in the key table, with the
-/// [`Store`](crate::Store) methods alone: the `n`-th failure of a message completes a **failure
-/// record**, a row whose key is the message's with the operation `"{message type}#failure-{n}"`
-/// and whose stored result holds the error. A failed message's own key is released (a redelivery must be able to
+/// Kafka says nothing), so the inbox counts failed attempts itself, in the key table, with the
+/// [`Store`](crate::Store) methods alone: the `n`-th failure of a message completes a **failure record**, a row
+/// whose key is the message's with the operation `"{message type}#failure-{n}"` and whose stored
+/// result holds the error. A failed message's own key is released (a redelivery must be able to
 /// run it again), so its row cannot hold the count. The records are inserted under the key
 /// table's unique constraint, so copies failing at the same time count twice, never once; they
 /// expire and are purged with the keys (retention, default 24 h). A message re-driven from a
@@ -340,39 +361,39 @@ pub enum FailureKind {
 /// # #[cfg(feature = "sqlite")]
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-/// use idempotency::{Consumer, DeadLetter, Decision, Message};
+/// use idempotency::{Attempt, DeadLetter, DeliveryAction, Inbox};
 /// use idempotency::{SqliteStore, Store, Idempotency};
 ///
 /// let store = SqliteStore::connect("sqlite::memory:").await?;
 /// store.migrate().await?;
 /// sqlx::query("CREATE TABLE shipments (order_id TEXT NOT NULL)").execute(store.pool()).await?;
-/// let consumer = Consumer::new(Idempotency::new(store.clone())).with_max_failures(5);
+/// let inbox = Inbox::new(Idempotency::new(store.clone())).with_max_failures(5);
 ///
 /// // The broker delivers the same message twice (a consumer died before its ack).
 /// let body = br#"{"order": "o-1", "items": 2}"#;
 /// for _ in 0..2 {
-///     let message = Message::json_bytes("shipping", "order.paid", "msg-0001", body)?;
-///     let decision = consumer
-///         .handle(&message, |tx| Box::pin(async move {
+///     let message = Attempt::message_json_bytes("shipping", "order.paid", "msg-0001", body)?;
+///     let action = inbox
+///         .handle(&message, async |tx| {
 ///             sqlx::query("INSERT INTO shipments (order_id) VALUES ('o-1')").execute(&mut **tx).await?;
 ///             Ok::<_, sqlx::Error>(())
-///         }))
+///         })
 ///         .await;
-///     assert!(decision.is_ack()); // executed, then replayed: ack both
+///     assert!(action.is_ack()); // executed, then replayed: ack both
 /// }
 /// let shipped: i64 = sqlx::query_scalar("SELECT count(*) FROM shipments").fetch_one(store.pool()).await?;
 /// assert_eq!(shipped, 1);
 ///
 /// // The same id with another body is a producer's bug: dead-letter it, never apply it.
-/// let other = Message::json_bytes("shipping", "order.paid", "msg-0001", br#"{"order": "o-2"}"#)?;
-/// let decision = consumer.handle(&other, |_tx| Box::pin(async { Ok::<_, sqlx::Error>(()) })).await;
-/// assert_eq!(decision, Decision::DeadLetter(DeadLetter::PayloadMismatch));
+/// let other = Attempt::message_json_bytes("shipping", "order.paid", "msg-0001", br#"{"order": "o-2"}"#)?;
+/// let action = inbox.handle(&other, async |_tx| Ok::<_, sqlx::Error>(())).await;
+/// assert_eq!(action, DeliveryAction::DeadLetter(DeadLetter::PayloadMismatch));
 /// # Ok(()) }
 /// # #[cfg(not(feature = "sqlite"))]
 /// # fn main() {}
 /// ```
 #[derive(Debug, Clone)]
-pub struct Consumer<S> {
+pub struct Inbox<S> {
     engine: Idempotency<S>,
     max_failures: u32,
     retry_delay: Duration,
@@ -380,8 +401,8 @@ pub struct Consumer<S> {
     in_progress_wait: Duration,
 }
 
-impl<S: CompletionSignal> Consumer<S> {
-    /// A consumer on `engine` (its lease, retention and step policy apply), dead-lettering a
+impl<S: CompletionSignal> Inbox<S> {
+    /// An inbox on `engine` (its lease, retention and step policy apply), dead-lettering a
     /// message after 5 failures, retrying after 1 s, then 2 s, 4 s … up to 60 s, and waiting up
     /// to 1 s for a copy of the message in progress elsewhere.
     pub fn new(engine: Idempotency<S>) -> Self {
@@ -401,21 +422,21 @@ impl<S: CompletionSignal> Consumer<S> {
         self
     }
 
-    /// The delay of the first [`Decision::Retry`] (default 1 s); it doubles with every recorded
+    /// The delay of the first [`DeliveryAction::Retry`] (default 1 s); it doubles with every recorded
     /// failure, up to [`with_max_retry_delay`](Self::with_max_retry_delay).
     pub fn with_retry_delay(mut self, delay: Duration) -> Self {
         self.retry_delay = delay;
         self
     }
 
-    /// The longest [`Decision::Retry`] delay (default 60 s).
+    /// The longest [`DeliveryAction::Retry`] delay (default 60 s).
     pub fn with_max_retry_delay(mut self, delay: Duration) -> Self {
         self.max_retry_delay = delay;
         self
     }
 
     /// How long a delivery that finds its message in progress elsewhere waits for that copy
-    /// ([`CompletionSignal::wait_for_completion`]) before it answers [`Decision::RetryLater`] (default
+    /// ([`CompletionSignal::wait_for_completion`]) before it answers [`DeliveryAction::RetryLater`] (default
     /// 1 s): when the other copy completes meanwhile, the delivery is acked as a replay at once,
     /// without a trip back through the broker. `Duration::ZERO` answers `RetryLater` at once
     /// (for a transport that can delay a message without holding it).
@@ -438,17 +459,19 @@ impl<S: CompletionSignal> Consumer<S> {
     /// decides what to do with the delivery. Every error of the work is
     /// [`FailureKind::Transient`]; see [`handle_with`](Self::handle_with) to classify them.
     ///
+    /// `message` is the message's [`Attempt`] (made with [`Attempt::message_json`] and its
+    /// siblings). The work is the same async closure as [`Idempotency::run`]'s,
+    /// `async |tx| { … }`, with the same error bound. It runs as local work whatever the
+    /// attempt's [`Effects`]: a failed work's key is released, so a redelivery can run it again.
+    ///
     /// The work's result is stored with the key, as with [`Idempotency::run`]. A business refusal
     /// that should be acknowledged (the order no longer exists) is a *result*: return
     /// `Ok(refusal)`, not an error.
-    pub async fn handle<R, E, F>(&self, message: &Message, work: F) -> Decision
+    pub async fn handle<R, E, F>(&self, message: &Attempt, work: F) -> DeliveryAction
     where
         R: Serialize + DeserializeOwned + Send,
-        E: fmt::Display + Send,
-        F: for<'t> FnOnce(
-                &'t mut sqlx::Transaction<'static, S::Database>,
-            ) -> BoxFuture<'t, Result<R, E>>
-            + Send,
+        E: Into<BoxError> + Send,
+        F: for<'c> AsyncFnOnce(&mut sqlx::Transaction<'c, S::Database>) -> Result<R, E> + Send,
     {
         self.handle_with(message, |_| FailureKind::Transient, work)
             .await
@@ -456,50 +479,45 @@ impl<S: CompletionSignal> Consumer<S> {
 
     /// Like [`handle`](Self::handle), with `classify` deciding what a failed work's error means:
     /// retry and count it, dead-letter now, or retry without counting.
-    pub async fn handle_with<R, E, F, C>(&self, message: &Message, classify: C, work: F) -> Decision
+    pub async fn handle_with<R, E, F, C>(
+        &self,
+        message: &Attempt,
+        classify: C,
+        work: F,
+    ) -> DeliveryAction
     where
         R: Serialize + DeserializeOwned + Send,
-        E: fmt::Display + Send,
-        F: for<'t> FnOnce(
-                &'t mut sqlx::Transaction<'static, S::Database>,
-            ) -> BoxFuture<'t, Result<R, E>>
-            + Send,
+        E: Into<BoxError> + Send,
+        F: for<'c> AsyncFnOnce(&mut sqlx::Transaction<'c, S::Database>) -> Result<R, E> + Send,
         C: FnOnce(&E) -> FailureKind + Send,
     {
-        let attempt = Attempt::new(message.key.clone(), message.fingerprint);
+        let (key, fingerprint) = (message.key(), *message.fingerprint());
+        let attempt = Attempt::new(key.clone(), fingerprint);
         // A failed work's key is always released (nothing was committed); the failure is counted
         // afterwards, by `failed`. A panic is caught here so that it counts as a failure instead
-        // of taking the consumer down; `run_boxed` has released the key before re-raising it.
-        let ran = AssertUnwindSafe(self.engine.run_boxed(
-            &attempt,
-            |_| Some(Disposition::Release),
-            work,
-        ))
+        // of taking the inbox down; `run_with` has released the key before re-raising it.
+        let ran = AssertUnwindSafe(
+            self.engine
+                .run_with(&attempt, |_| Disposition::Release, work),
+        )
         .catch_unwind()
         .await;
         match ran {
-            Ok(Ok(outcome)) => Decision::Ack {
+            Ok(Ok(outcome)) => DeliveryAction::Ack {
                 replayed: outcome.is_replayed(),
             },
             Ok(Err(Error::Operation(error))) => {
                 let kind = classify(&error);
-                self.failed(&message.key, message.fingerprint, kind, &error.to_string())
+                let error: BoxError = error.into();
+                self.failed(key, fingerprint, kind, &error.to_string())
                     .await
             }
-            Ok(Err(Error::Serialization(error))) => self.unserialisable(&message.key, &error).await,
-            Ok(Err(refused)) => {
-                self.refused(&message.key, message.fingerprint, refused)
-                    .await
-            }
+            Ok(Err(Error::Serialization(error))) => self.unserialisable(key, &error).await,
+            Ok(Err(refused)) => self.refused(key, fingerprint, refused).await,
             Err(panic) => {
                 let reason = format!("the work panicked: {}", panic_message(&*panic));
-                self.failed(
-                    &message.key,
-                    message.fingerprint,
-                    FailureKind::Transient,
-                    &reason,
-                )
-                .await
+                self.failed(key, fingerprint, FailureKind::Transient, &reason)
+                    .await
             }
         }
     }
@@ -511,7 +529,7 @@ impl<S: CompletionSignal> Consumer<S> {
     /// An operation whose outside outcome is unknown stays pending and is carried on by the
     /// [`MaintenanceWorker`](crate::worker::MaintenanceWorker) (with the operation registered in
     /// its [`Operations`](crate::Operations)) or by the next delivery: the delivery is
-    /// [`RetryLater`](Decision::RetryLater), and is acked once the operation has settled. A
+    /// [`RetryLater`](DeliveryAction::RetryLater), and is acked once the operation has settled. A
     /// settled failure ([`Steps::fail`](crate::Steps::fail)) is stored and acked like a success:
     /// it was compensated and will not change.
     pub async fn perform<O: Operation<S>>(
@@ -520,23 +538,25 @@ impl<S: CompletionSignal> Consumer<S> {
         id: &str,
         operation: &O,
         request: &O::Request,
-    ) -> Decision
+    ) -> DeliveryAction
     where
         S: Journal,
     {
         // Fingerprinted here first, so that a serialisation error from `perform` can only be a
         // stored response this version cannot read (see `unserialisable`).
-        let message = match Message::json(scope, operation.name(), id, request) {
+        let message = match Attempt::message_json(scope, operation.name(), id, request) {
             Ok(message) => message,
-            Err(error) => return Decision::DeadLetter(DeadLetter::Invalid(error.to_string())),
+            Err(error) => {
+                return DeliveryAction::DeadLetter(DeadLetter::Invalid(error.to_string()))
+            }
         };
-        let key = &message.key;
+        let (key, fingerprint) = (message.key(), *message.fingerprint());
         let performed = AssertUnwindSafe(self.engine.perform(operation, scope, id, request))
             .catch_unwind()
             .await;
         let error = match performed {
             Ok(Ok(outcome)) => {
-                return Decision::Ack {
+                return DeliveryAction::Ack {
                     replayed: outcome.is_replayed(),
                 }
             }
@@ -544,7 +564,7 @@ impl<S: CompletionSignal> Consumer<S> {
             Err(panic) => {
                 let reason = format!("the operation panicked: {}", panic_message(&*panic));
                 return self
-                    .failed(key, message.fingerprint, FailureKind::Transient, &reason)
+                    .failed(key, fingerprint, FailureKind::Transient, &reason)
                     .await;
             }
         };
@@ -552,7 +572,7 @@ impl<S: CompletionSignal> Consumer<S> {
             PerformError::Reserve(Error::Serialization(error)) => {
                 self.unserialisable(key, &error).await
             }
-            PerformError::Reserve(refused) => self.refused(key, message.fingerprint, refused).await,
+            PerformError::Reserve(refused) => self.refused(key, fingerprint, refused).await,
             PerformError::Released(error) => {
                 let kind = match &error {
                     StepError::Store(e) if e.is_unavailable() => FailureKind::Unavailable,
@@ -561,17 +581,17 @@ impl<S: CompletionSignal> Consumer<S> {
                     | StepError::Declined { .. } => FailureKind::Definitive,
                     _ => FailureKind::Transient,
                 };
-                self.failed(key, message.fingerprint, kind, &error.to_string())
+                self.failed(key, fingerprint, kind, &error.to_string())
                     .await
             }
             PerformError::Pending { retry_after, .. } => {
-                Decision::RetryLater { delay: retry_after }
+                DeliveryAction::RetryLater { delay: retry_after }
             }
             PerformError::Parked { reason } => {
-                Decision::DeadLetter(DeadLetter::NeedsReview(Some(reason)))
+                DeliveryAction::DeadLetter(DeadLetter::NeedsReview(Some(reason)))
             }
             // Another holder carries it on, or the key is resumed once its lease ends.
-            _ => Decision::RetryLater {
+            _ => DeliveryAction::RetryLater {
                 delay: self.retry_delay,
             },
         }
@@ -579,10 +599,10 @@ impl<S: CompletionSignal> Consumer<S> {
 
     /// How many failures are recorded for `message` (failure records not yet purged), up to
     /// [`max_failures`](Self::max_failures).
-    pub async fn recorded_failures(&self, message: &Message) -> Result<u32, StoreError> {
+    pub async fn recorded_failures(&self, message: &Attempt) -> Result<u32, StoreError> {
         let mut failures = 0;
         while failures < self.max_failures {
-            let record = failure_key(&message.key, failures + 1)?;
+            let record = failure_key(message.key(), failures + 1)?;
             if self.engine.store().find(&record).await?.is_none() {
                 break;
             }
@@ -599,29 +619,29 @@ impl<S: CompletionSignal> Consumer<S> {
         fingerprint: Fingerprint,
         kind: FailureKind,
         error: &str,
-    ) -> Decision {
+    ) -> DeliveryAction {
         let reason = bounded(error);
         match kind {
-            FailureKind::Definitive => Decision::DeadLetter(DeadLetter::Definitive(reason)),
-            FailureKind::Unavailable => Decision::Retry {
+            FailureKind::Definitive => DeliveryAction::DeadLetter(DeadLetter::Definitive(reason)),
+            FailureKind::Unavailable => DeliveryAction::Retry {
                 delay: self.retry_delay,
                 reason,
             },
             FailureKind::Transient => match self.record_failure(key, fingerprint, &reason).await {
                 Ok(failures) if failures >= self.max_failures => {
                     tracing::warn!(%key, failures, error = %reason, "poison message: dead-lettered");
-                    Decision::DeadLetter(DeadLetter::Poison {
+                    DeliveryAction::DeadLetter(DeadLetter::Poison {
                         failures,
                         last_error: reason,
                     })
                 }
-                Ok(failures) => Decision::Retry {
+                Ok(failures) => DeliveryAction::Retry {
                     delay: backoff(self.retry_delay, self.max_retry_delay, failures),
                     reason,
                 },
                 Err(error) => {
                     tracing::warn!(%key, %error, "could not record a message's failure; it is retried uncounted");
-                    Decision::Retry {
+                    DeliveryAction::Retry {
                         delay: self.retry_delay,
                         reason,
                     }
@@ -674,18 +694,18 @@ impl<S: CompletionSignal> Consumer<S> {
     }
 
     /// The reservation refused, or the store failed (or the work failed: then it is transient).
-    async fn refused<E: fmt::Display>(
+    async fn refused<E: Into<BoxError>>(
         &self,
         key: &IdempotencyKey,
         fingerprint: Fingerprint,
         error: Error<E>,
-    ) -> Decision {
+    ) -> DeliveryAction {
         match error {
-            Error::KeyReused => Decision::DeadLetter(DeadLetter::PayloadMismatch),
+            Error::KeyReused => DeliveryAction::DeadLetter(DeadLetter::PayloadMismatch),
             Error::InProgress { retry_after } => {
                 self.in_progress(key, fingerprint, retry_after).await
             }
-            Error::LeaseLost => Decision::RetryLater {
+            Error::LeaseLost => DeliveryAction::RetryLater {
                 delay: self.retry_delay,
             },
             Error::NeedsReview => {
@@ -693,17 +713,17 @@ impl<S: CompletionSignal> Consumer<S> {
                     Ok(record) => record.and_then(|record| record.reason),
                     Err(_) => None,
                 };
-                Decision::DeadLetter(DeadLetter::NeedsReview(reason))
+                DeliveryAction::DeadLetter(DeadLetter::NeedsReview(reason))
             }
             Error::InvalidKey(error) => {
-                Decision::DeadLetter(DeadLetter::Invalid(error.to_string()))
+                DeliveryAction::DeadLetter(DeadLetter::Invalid(error.to_string()))
             }
             Error::Store(error) => {
                 // The store being down is not the message's fault: retried, not counted. A store
                 // error about this key (a row this version cannot read) is counted, so that it
                 // ends in the dead-letter queue instead of looping.
                 if error.is_unavailable() {
-                    Decision::Retry {
+                    DeliveryAction::Retry {
                         delay: self.retry_delay,
                         reason: bounded(&error.to_string()),
                     }
@@ -715,7 +735,7 @@ impl<S: CompletionSignal> Consumer<S> {
             }
             Error::Serialization(error) => self.unserialisable(key, &error).await,
             Error::Operation(error) => {
-                let reason = error.to_string();
+                let reason = error.into().to_string();
                 self.failed(key, fingerprint, FailureKind::Transient, &reason)
                     .await
             }
@@ -729,37 +749,41 @@ impl<S: CompletionSignal> Consumer<S> {
         key: &IdempotencyKey,
         fingerprint: Fingerprint,
         retry_after: Duration,
-    ) -> Decision {
+    ) -> DeliveryAction {
         if self.in_progress_wait.is_zero() {
-            return Decision::RetryLater { delay: retry_after };
+            return DeliveryAction::RetryLater { delay: retry_after };
         }
         let store = self.engine.store();
         match store
             .wait_for_completion(key, &fingerprint, self.in_progress_wait)
             .await
         {
-            Ok(Awaited::Completed(_)) => Decision::Ack { replayed: true },
+            Ok(Awaited::Completed(_)) => DeliveryAction::Ack { replayed: true },
             // Released, parked, or its lease ended: a new delivery decides, at once.
-            Ok(Awaited::Settled) => Decision::RetryLater {
+            Ok(Awaited::Settled) => DeliveryAction::RetryLater {
                 delay: Duration::ZERO,
             },
-            Ok(Awaited::TimedOut) | Err(_) => Decision::RetryLater { delay: retry_after },
+            Ok(Awaited::TimedOut) | Err(_) => DeliveryAction::RetryLater { delay: retry_after },
         }
     }
 
     /// A (de)serialisation error: either a completed key whose stored result this version cannot
     /// read (the effect happened: ack), or a result that could not be serialised (nothing was
     /// committed, and every redelivery would fail the same way: dead-letter). The row tells which.
-    async fn unserialisable(&self, key: &IdempotencyKey, error: &serde_json::Error) -> Decision {
+    async fn unserialisable(
+        &self,
+        key: &IdempotencyKey,
+        error: &serde_json::Error,
+    ) -> DeliveryAction {
         match self.engine.store().find(key).await {
             Ok(Some(record)) if record.state == KeyState::Completed => {
                 tracing::warn!(%key, %error, "stored result unreadable; the message was applied before: ack");
-                Decision::Ack { replayed: true }
+                DeliveryAction::Ack { replayed: true }
             }
-            Ok(_) => Decision::DeadLetter(DeadLetter::Definitive(format!(
+            Ok(_) => DeliveryAction::DeadLetter(DeadLetter::Definitive(format!(
                 "the work's result cannot be stored: {error}"
             ))),
-            Err(store) => Decision::Retry {
+            Err(store) => DeliveryAction::Retry {
                 delay: self.retry_delay,
                 reason: bounded(&store.to_string()),
             },
@@ -820,7 +844,7 @@ mod tests {
         assert!(failure_key(&key, u32::MAX).is_ok());
         let long = "t".repeat(MAX_MESSAGE_TYPE_LEN + 1);
         assert!(matches!(
-            Message::bytes("q", &long, "m", b""),
+            Attempt::message_bytes("q", &long, "m", b""),
             Err(InvalidMessage::TypeTooLong { .. })
         ));
     }

@@ -1,4 +1,4 @@
-//! Queue consumers (`idempotency::Consumer`) on PostgreSQL, SQLite and MySQL/MariaDB: the same
+//! The queue's inbox (`idempotency::Inbox`) on PostgreSQL, SQLite and MySQL/MariaDB: the same
 //! message delivered to many consumers at once takes effect once, another payload under a used id
 //! is dead-lettered and never applied, failures release the key and are counted, and a poison
 //! message ends in the dead-letter queue.
@@ -6,10 +6,10 @@
 mod common;
 
 use common::{unique, Harness};
-use futures_util::future::{join_all, BoxFuture};
+use futures_util::future::join_all;
 use idempotency::{
-    CallError, Consumer, DeadLetter, Decision, FailureKind, Finished, Idempotency, KeyState,
-    Message, Operation, StepError, Steps,
+    Attempt, CallError, DeadLetter, DeliveryAction, FailureKind, Finished, Idempotency, Inbox,
+    KeyState, Operation, StepError, Steps,
 };
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -37,77 +37,70 @@ const TYPE: &str = "order.paid";
 /// How long a test waits for something that should happen.
 const WAIT: Duration = Duration::from_secs(15);
 
-fn message(id: &str, payload: serde_json::Value) -> Message {
-    Message::json(QUEUE, TYPE, id, &payload).unwrap()
+fn message(id: &str, payload: serde_json::Value) -> Attempt {
+    Attempt::message_json(QUEUE, TYPE, id, &payload).unwrap()
 }
 
-/// A consumer with short retry delays, so that tests do not wait.
-fn consumer<S: Harness>(store: &S) -> Consumer<S> {
-    Consumer::new(Idempotency::new(store.clone()))
+/// An inbox with short retry delays, so that tests do not wait.
+fn inbox<S: Harness>(store: &S) -> Inbox<S> {
+    Inbox::new(Idempotency::new(store.clone()))
         .with_retry_delay(Duration::from_millis(10))
         .with_max_retry_delay(Duration::from_millis(40))
 }
 
 /// Delivers `message` once: its work writes one effect for `trial`.
-async fn deliver<S: Harness>(consumer: &Consumer<S>, message: &Message, trial: &str) -> Decision {
+async fn deliver<S: Harness>(inbox: &Inbox<S>, message: &Attempt, trial: &str) -> DeliveryAction {
     let trial = trial.to_owned();
-    consumer
-        .handle(message, move |tx| {
-            Box::pin(async move {
-                S::insert_effect(tx, &trial).await?;
-                Ok::<_, sqlx::Error>(json!({ "applied": trial }))
-            })
+    inbox
+        .handle(message, async move |tx| {
+            S::insert_effect(tx, &trial).await?;
+            Ok::<_, sqlx::Error>(json!({ "applied": trial }))
         })
         .await
 }
 
 /// A delivery whose work fails with `error` after writing an effect (rolled back).
 async fn deliver_failing<S: Harness>(
-    consumer: &Consumer<S>,
-    message: &Message,
+    inbox: &Inbox<S>,
+    message: &Attempt,
     trial: &str,
     error: &str,
-) -> Decision {
+) -> DeliveryAction {
     let (trial, error) = (trial.to_owned(), error.to_owned());
-    consumer
-        .handle(message, move |tx| {
-            Box::pin(async move {
-                S::insert_effect(tx, &trial)
-                    .await
-                    .map_err(|e| e.to_string())?;
-                Err::<(), String>(error)
-            })
+    inbox
+        .handle(message, async move |tx| {
+            S::insert_effect(tx, &trial)
+                .await
+                .map_err(|e| e.to_string())?;
+            Err::<(), String>(error)
         })
         .await
 }
 
 /// A work that panics.
-fn panicking<'t, DB: sqlx::Database>(
-    _tx: &'t mut sqlx::Transaction<'static, DB>,
-) -> BoxFuture<'t, Result<(), String>> {
-    Box::pin(async { panic!("cannot parse order") })
+async fn panicking<DB: sqlx::Database>(_tx: &mut sqlx::Transaction<'_, DB>) -> Result<(), String> {
+    panic!("cannot parse order")
 }
 
 /// A work that fails with `error` and writes nothing.
 fn failing<DB: sqlx::Database>(
     error: &'static str,
-) -> impl for<'t> FnOnce(&'t mut sqlx::Transaction<'static, DB>) -> BoxFuture<'t, Result<(), String>>
-       + Send {
-    move |_tx| Box::pin(async move { Err(error.to_owned()) })
+) -> impl for<'c> AsyncFnOnce(&mut sqlx::Transaction<'c, DB>) -> Result<(), String> + Send {
+    async move |_tx| Err(error.to_owned())
 }
 
 /// Delivers again, as a broker would, until the delivery is no longer `RetryLater` (waiting the
 /// given delay each time).
 async fn redeliver_until_settled<S: Harness>(
-    consumer: &Consumer<S>,
-    message: &Message,
+    inbox: &Inbox<S>,
+    message: &Attempt,
     trial: &str,
-) -> Decision {
+) -> DeliveryAction {
     let deadline = tokio::time::Instant::now() + WAIT;
     loop {
-        let decision = deliver(consumer, message, trial).await;
-        match decision {
-            Decision::RetryLater { delay } if tokio::time::Instant::now() < deadline => {
+        let action = deliver(inbox, message, trial).await;
+        match action {
+            DeliveryAction::RetryLater { delay } if tokio::time::Instant::now() < deadline => {
                 tokio::time::sleep(delay).await
             }
             other => return other,
@@ -128,35 +121,32 @@ async fn concurrent_deliveries_of_one_message_take_effect_once<S: Harness>(store
         } else {
             Duration::from_secs(1)
         };
-        let consumer =
-            Consumer::new(Idempotency::new(store.clone()).with_replay_first(trial % 2 == 0))
-                .with_in_progress_wait(wait);
+        let inbox = Inbox::new(Idempotency::new(store.clone()).with_replay_first(trial % 2 == 0))
+            .with_in_progress_wait(wait);
         let trial = format!("{}-{trial}", unique("race"));
         let message = message(&trial, json!({ "order": trial, "cents": 1200 }));
         let barrier = Arc::new(Barrier::new(CONSUMERS));
         let deliveries = (0..CONSUMERS).map(|_| {
-            let (consumer, message, barrier) = (consumer.clone(), message.clone(), barrier.clone());
+            let (inbox, message, barrier) = (inbox.clone(), message.clone(), barrier.clone());
             let trial = trial.clone();
             tokio::spawn(async move {
                 barrier.wait().await;
                 let applied = trial.clone();
-                consumer
-                    .handle(&message, move |tx| {
-                        Box::pin(async move {
-                            S::insert_effect(tx, &applied).await?;
-                            tokio::time::sleep(Duration::from_millis(2)).await;
-                            Ok::<_, sqlx::Error>(())
-                        })
+                inbox
+                    .handle(&message, async move |tx| {
+                        S::insert_effect(tx, &applied).await?;
+                        tokio::time::sleep(Duration::from_millis(2)).await;
+                        Ok::<_, sqlx::Error>(())
                     })
                     .await
             })
         });
         let mut retried = 0;
-        for decision in join_all(deliveries).await {
-            match decision.unwrap() {
-                Decision::Ack { replayed: false } => executed += 1,
-                Decision::Ack { replayed: true } => replayed += 1,
-                Decision::RetryLater { delay } => {
+        for action in join_all(deliveries).await {
+            match action.unwrap() {
+                DeliveryAction::Ack { replayed: false } => executed += 1,
+                DeliveryAction::Ack { replayed: true } => replayed += 1,
+                DeliveryAction::RetryLater { delay } => {
                     assert!(delay <= Duration::from_secs(1), "{delay:?}");
                     later += 1;
                     retried += 1;
@@ -166,8 +156,13 @@ async fn concurrent_deliveries_of_one_message_take_effect_once<S: Harness>(store
         }
         // The broker redelivers what was retried later: each is acked as a replay.
         for _ in 0..retried {
-            let decision = redeliver_until_settled(&consumer, &message, &trial).await;
-            assert_eq!(decision, Decision::Ack { replayed: true }, "{}", S::NAME);
+            let action = redeliver_until_settled(&inbox, &message, &trial).await;
+            assert_eq!(
+                action,
+                DeliveryAction::Ack { replayed: true },
+                "{}",
+                S::NAME
+            );
         }
         assert_eq!(
             store.count_effects(&trial).await,
@@ -185,15 +180,16 @@ async fn concurrent_deliveries_of_one_message_take_effect_once<S: Harness>(store
 }
 
 async fn a_redelivery_after_completion_is_acked_as_a_replay<S: Harness>(store: S) {
-    let consumer = consumer(&store);
+    let inbox = inbox(&store);
     let trial = unique("replay");
-    let first = Message::json_bytes(QUEUE, TYPE, &trial, br#"{"order":"o-1","cents":5}"#).unwrap();
+    let first =
+        Attempt::message_json_bytes(QUEUE, TYPE, &trial, br#"{"order":"o-1","cents":5}"#).unwrap();
     assert_eq!(
-        deliver(&consumer, &first, &trial).await,
-        Decision::Ack { replayed: false }
+        deliver(&inbox, &first, &trial).await,
+        DeliveryAction::Ack { replayed: false }
     );
     // The same JSON, keys reordered and spaced differently: the same message.
-    let again = Message::json_bytes(
+    let again = Attempt::message_json_bytes(
         QUEUE,
         TYPE,
         &trial,
@@ -203,23 +199,24 @@ async fn a_redelivery_after_completion_is_acked_as_a_replay<S: Harness>(store: S
     assert_eq!(again.fingerprint(), first.fingerprint());
     for _ in 0..3 {
         assert_eq!(
-            deliver(&consumer, &again, &trial).await,
-            Decision::Ack { replayed: true }
+            deliver(&inbox, &again, &trial).await,
+            DeliveryAction::Ack { replayed: true }
         );
     }
     assert_eq!(store.count_effects(&trial).await, 1);
     // The same id in another scope (another consumer group) is another message.
     let other_group =
-        Message::json_bytes("audit-queue", TYPE, &trial, br#"{"order":"o-1","cents":5}"#).unwrap();
+        Attempt::message_json_bytes("audit-queue", TYPE, &trial, br#"{"order":"o-1","cents":5}"#)
+            .unwrap();
     assert_eq!(
-        deliver(&consumer, &other_group, &trial).await,
-        Decision::Ack { replayed: false }
+        deliver(&inbox, &other_group, &trial).await,
+        DeliveryAction::Ack { replayed: false }
     );
     assert_eq!(store.count_effects(&trial).await, 2);
 }
 
 async fn the_same_id_with_another_payload_is_dead_lettered_and_never_applied<S: Harness>(store: S) {
-    let consumer = consumer(&store);
+    let inbox = inbox(&store);
     let trial = unique("mismatch");
     let original = message(&trial, json!({ "cents": 100 }));
     let tampered = message(&trial, json!({ "cents": 999 }));
@@ -229,17 +226,15 @@ async fn the_same_id_with_another_payload_is_dead_lettered_and_never_applied<S: 
     let gate = Arc::new(Notify::new());
     let running = Arc::new(Notify::new());
     let holder = {
-        let (consumer, original, trial) = (consumer.clone(), original.clone(), trial.clone());
+        let (inbox, original, trial) = (inbox.clone(), original.clone(), trial.clone());
         let (gate, running) = (gate.clone(), running.clone());
         tokio::spawn(async move {
-            consumer
-                .handle(&original, move |tx| {
-                    Box::pin(async move {
-                        S::insert_effect(tx, &trial).await?;
-                        running.notify_one();
-                        gate.notified().await;
-                        Ok::<_, sqlx::Error>(())
-                    })
+            inbox
+                .handle(&original, async move |tx| {
+                    S::insert_effect(tx, &trial).await?;
+                    running.notify_one();
+                    gate.notified().await;
+                    Ok::<_, sqlx::Error>(())
                 })
                 .await
         })
@@ -248,17 +243,23 @@ async fn the_same_id_with_another_payload_is_dead_lettered_and_never_applied<S: 
         .await
         .unwrap();
     assert_eq!(
-        deliver(&consumer, &tampered, &tampered_trial).await,
-        Decision::DeadLetter(DeadLetter::PayloadMismatch)
+        deliver(&inbox, &tampered, &tampered_trial).await,
+        DeliveryAction::DeadLetter(DeadLetter::PayloadMismatch)
     );
     gate.notify_one();
-    assert_eq!(holder.await.unwrap(), Decision::Ack { replayed: false });
+    assert_eq!(
+        holder.await.unwrap(),
+        DeliveryAction::Ack { replayed: false }
+    );
 
     // … and after it completed.
-    let decision = deliver(&consumer, &tampered, &tampered_trial).await;
-    assert_eq!(decision, Decision::DeadLetter(DeadLetter::PayloadMismatch));
+    let action = deliver(&inbox, &tampered, &tampered_trial).await;
     assert_eq!(
-        decision.to_string(),
+        action,
+        DeliveryAction::DeadLetter(DeadLetter::PayloadMismatch)
+    );
+    assert_eq!(
+        action.to_string(),
         "dead-letter: the message id was already used with another payload"
     );
     assert_eq!(
@@ -268,40 +269,38 @@ async fn the_same_id_with_another_payload_is_dead_lettered_and_never_applied<S: 
     );
     // The original is still acked as a replay, and applied once.
     assert_eq!(
-        deliver(&consumer, &original, &trial).await,
-        Decision::Ack { replayed: true }
+        deliver(&inbox, &original, &trial).await,
+        DeliveryAction::Ack { replayed: true }
     );
     assert_eq!(store.count_effects(&trial).await, 1);
     // Raw payloads are compared byte for byte.
     let bytes = unique("bytes");
-    let raw = Message::bytes(QUEUE, TYPE, &bytes, b"\x08\x96\x01").unwrap();
-    assert!(deliver(&consumer, &raw, &bytes).await.is_ack());
-    let other_raw = Message::bytes(QUEUE, TYPE, &bytes, b"\x08\x96\x02").unwrap();
+    let raw = Attempt::message_bytes(QUEUE, TYPE, &bytes, b"\x08\x96\x01").unwrap();
+    assert!(deliver(&inbox, &raw, &bytes).await.is_ack());
+    let other_raw = Attempt::message_bytes(QUEUE, TYPE, &bytes, b"\x08\x96\x02").unwrap();
     assert_eq!(
-        deliver(&consumer, &other_raw, &bytes).await,
-        Decision::DeadLetter(DeadLetter::PayloadMismatch)
+        deliver(&inbox, &other_raw, &bytes).await,
+        DeliveryAction::DeadLetter(DeadLetter::PayloadMismatch)
     );
     assert_eq!(store.count_effects(&bytes).await, 1);
 }
 
 async fn a_delivery_while_another_runs_waits_for_it_or_is_retried_later<S: Harness>(store: S) {
-    let consumer = consumer(&store).with_in_progress_wait(Duration::ZERO);
+    let inbox = inbox(&store).with_in_progress_wait(Duration::ZERO);
     let trial = unique("in-progress");
     let message = message(&trial, json!({ "cents": 1 }));
     let gate = Arc::new(Notify::new());
     let running = Arc::new(Notify::new());
     let first = {
-        let (consumer, message, trial) = (consumer.clone(), message.clone(), trial.clone());
+        let (inbox, message, trial) = (inbox.clone(), message.clone(), trial.clone());
         let (gate, running) = (gate.clone(), running.clone());
         tokio::spawn(async move {
-            consumer
-                .handle(&message, move |tx| {
-                    Box::pin(async move {
-                        S::insert_effect(tx, &trial).await?;
-                        running.notify_one();
-                        gate.notified().await;
-                        Ok::<_, sqlx::Error>(())
-                    })
+            inbox
+                .handle(&message, async move |tx| {
+                    S::insert_effect(tx, &trial).await?;
+                    running.notify_one();
+                    gate.notified().await;
+                    Ok::<_, sqlx::Error>(())
                 })
                 .await
         })
@@ -309,8 +308,8 @@ async fn a_delivery_while_another_runs_waits_for_it_or_is_retried_later<S: Harne
     tokio::time::timeout(WAIT, running.notified())
         .await
         .unwrap();
-    let second = deliver(&consumer, &message, &trial).await;
-    let Decision::RetryLater { delay } = second else {
+    let second = deliver(&inbox, &message, &trial).await;
+    let DeliveryAction::RetryLater { delay } = second else {
         panic!("{}: expected RetryLater, got {second:?}", S::NAME)
     };
     assert!(
@@ -318,34 +317,39 @@ async fn a_delivery_while_another_runs_waits_for_it_or_is_retried_later<S: Harne
         "{delay:?}"
     );
     // In progress is not a failure.
-    assert_eq!(consumer.recorded_failures(&message).await.unwrap(), 0);
+    assert_eq!(inbox.recorded_failures(&message).await.unwrap(), 0);
     // With a wait, a delivery that arrives meanwhile is acked as soon as the first completes.
     let waiting = {
-        let consumer = consumer.clone().with_in_progress_wait(WAIT);
+        let inbox = inbox.clone().with_in_progress_wait(WAIT);
         let (message, trial) = (message.clone(), trial.clone());
-        tokio::spawn(async move { deliver(&consumer, &message, &trial).await })
+        tokio::spawn(async move { deliver(&inbox, &message, &trial).await })
     };
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert!(!waiting.is_finished(), "it waits for the copy in progress");
     gate.notify_one();
-    assert_eq!(first.await.unwrap(), Decision::Ack { replayed: false });
-    assert_eq!(waiting.await.unwrap(), Decision::Ack { replayed: true });
     assert_eq!(
-        deliver(&consumer, &message, &trial).await,
-        Decision::Ack { replayed: true }
+        first.await.unwrap(),
+        DeliveryAction::Ack { replayed: false }
+    );
+    assert_eq!(
+        waiting.await.unwrap(),
+        DeliveryAction::Ack { replayed: true }
+    );
+    assert_eq!(
+        deliver(&inbox, &message, &trial).await,
+        DeliveryAction::Ack { replayed: true }
     );
     assert_eq!(store.count_effects(&trial).await, 1);
 }
 
 async fn a_transient_failure_releases_the_key_and_a_redelivery_applies_once<S: Harness>(store: S) {
-    let consumer = consumer(&store);
+    let inbox = inbox(&store);
     let trial = unique("transient");
     let message = message(&trial, json!({ "cents": 7 }));
-    let decision =
-        deliver_failing(&consumer, &message, &trial, "inventory service timed out").await;
+    let action = deliver_failing(&inbox, &message, &trial, "inventory service timed out").await;
     assert_eq!(
-        decision,
-        Decision::Retry {
+        action,
+        DeliveryAction::Retry {
             delay: Duration::from_millis(10),
             reason: "inventory service timed out".into()
         }
@@ -353,15 +357,15 @@ async fn a_transient_failure_releases_the_key_and_a_redelivery_applies_once<S: H
     // Nothing applied, the key released, the failure counted.
     assert_eq!(store.count_effects(&trial).await, 0);
     assert!(store.find(message.key()).await.unwrap().is_none());
-    assert_eq!(consumer.recorded_failures(&message).await.unwrap(), 1);
+    assert_eq!(inbox.recorded_failures(&message).await.unwrap(), 1);
     // The redelivery applies it, once.
     assert_eq!(
-        deliver(&consumer, &message, &trial).await,
-        Decision::Ack { replayed: false }
+        deliver(&inbox, &message, &trial).await,
+        DeliveryAction::Ack { replayed: false }
     );
     assert_eq!(
-        deliver(&consumer, &message, &trial).await,
-        Decision::Ack { replayed: true }
+        deliver(&inbox, &message, &trial).await,
+        DeliveryAction::Ack { replayed: true }
     );
     assert_eq!(store.count_effects(&trial).await, 1);
     let record = store.find(message.key()).await.unwrap().unwrap();
@@ -369,15 +373,15 @@ async fn a_transient_failure_releases_the_key_and_a_redelivery_applies_once<S: H
 }
 
 async fn a_poison_message_is_dead_lettered_after_max_failures<S: Harness>(store: S) {
-    let consumer = consumer(&store).with_max_failures(3);
+    let inbox = inbox(&store).with_max_failures(3);
     let trial = unique("poison");
     let message = message(&trial, json!({ "cents": 13 }));
 
-    let first = deliver_failing(&consumer, &message, &trial, "boom 1").await;
+    let first = deliver_failing(&inbox, &message, &trial, "boom 1").await;
     assert_eq!(first.delay(), Some(Duration::from_millis(10)), "{first:?}");
-    // A panic is a failure too, and does not take the consumer down.
-    let panicked = consumer.handle(&message, panicking::<S::Database>).await;
-    let Decision::Retry { delay, reason } = panicked else {
+    // A panic is a failure too, and does not take the inbox down.
+    let panicked = inbox.handle(&message, panicking::<S::Database>).await;
+    let DeliveryAction::Retry { delay, reason } = panicked else {
         panic!("{}: expected Retry, got {panicked:?}", S::NAME)
     };
     assert_eq!(delay, Duration::from_millis(20), "the delay doubles");
@@ -387,10 +391,10 @@ async fn a_poison_message_is_dead_lettered_after_max_failures<S: Harness>(store:
         "released after the panic"
     );
 
-    let third = deliver_failing(&consumer, &message, &trial, "boom 3").await;
+    let third = deliver_failing(&inbox, &message, &trial, "boom 3").await;
     assert_eq!(
         third,
-        Decision::DeadLetter(DeadLetter::Poison {
+        DeliveryAction::DeadLetter(DeadLetter::Poison {
             failures: 3,
             last_error: "boom 3".into()
         })
@@ -400,40 +404,40 @@ async fn a_poison_message_is_dead_lettered_after_max_failures<S: Harness>(store:
         "dead-letter: the work failed 3 times; last: boom 3"
     );
     assert_eq!(store.count_effects(&trial).await, 0, "never applied");
-    assert_eq!(consumer.recorded_failures(&message).await.unwrap(), 3);
+    assert_eq!(inbox.recorded_failures(&message).await.unwrap(), 3);
 
     // Re-driven from the dead-letter queue: one more attempt per delivery. A failure goes
     // straight back; once the bug is fixed it is applied, once.
-    let again = deliver_failing(&consumer, &message, &trial, "boom 4").await;
+    let again = deliver_failing(&inbox, &message, &trial, "boom 4").await;
     assert!(
         matches!(
             again,
-            Decision::DeadLetter(DeadLetter::Poison { failures: 3, .. })
+            DeliveryAction::DeadLetter(DeadLetter::Poison { failures: 3, .. })
         ),
         "{again:?}"
     );
     assert_eq!(
-        deliver(&consumer, &message, &trial).await,
-        Decision::Ack { replayed: false }
+        deliver(&inbox, &message, &trial).await,
+        DeliveryAction::Ack { replayed: false }
     );
     assert_eq!(
-        deliver_failing(&consumer, &message, &trial, "not run").await,
-        Decision::Ack { replayed: true }
+        deliver_failing(&inbox, &message, &trial, "not run").await,
+        DeliveryAction::Ack { replayed: true }
     );
     assert_eq!(store.count_effects(&trial).await, 1);
 
     // A message that fails for good on its first failure, with max_failures = 1.
-    let strict = consumer.clone().with_max_failures(1);
+    let strict = inbox.clone().with_max_failures(1);
     let once = unique("poison-once");
     let message = self::message(&once, json!({}));
     assert!(matches!(
         deliver_failing(&strict, &message, &once, "boom").await,
-        Decision::DeadLetter(DeadLetter::Poison { failures: 1, .. })
+        DeliveryAction::DeadLetter(DeadLetter::Poison { failures: 1, .. })
     ));
 }
 
 async fn definitive_and_unavailable_failures_are_not_counted<S: Harness>(store: S) {
-    let consumer = consumer(&store);
+    let inbox = inbox(&store);
     let trial = unique("classified");
     let message = message(&trial, json!({ "sku": "gone" }));
     let classify = |error: &String| {
@@ -445,14 +449,14 @@ async fn definitive_and_unavailable_failures_are_not_counted<S: Harness>(store: 
     };
     let failing = failing::<S::Database>;
 
-    let definitive = consumer
+    let definitive = inbox
         .handle_with(&message, classify, failing("unknown sku: gone"))
         .await;
     assert_eq!(
         definitive,
-        Decision::DeadLetter(DeadLetter::Definitive("unknown sku: gone".into()))
+        DeliveryAction::DeadLetter(DeadLetter::Definitive("unknown sku: gone".into()))
     );
-    let unavailable = consumer
+    let unavailable = inbox
         .handle_with(
             &message,
             classify,
@@ -461,19 +465,19 @@ async fn definitive_and_unavailable_failures_are_not_counted<S: Harness>(store: 
         .await;
     assert_eq!(
         unavailable,
-        Decision::Retry {
+        DeliveryAction::Retry {
             delay: Duration::from_millis(10),
             reason: "pricing service: connection refused".into()
         }
     );
-    assert_eq!(consumer.recorded_failures(&message).await.unwrap(), 0);
+    assert_eq!(inbox.recorded_failures(&message).await.unwrap(), 0);
     assert!(
         store.find(message.key()).await.unwrap().is_none(),
         "released"
     );
     assert_eq!(
-        deliver(&consumer, &message, &trial).await,
-        Decision::Ack { replayed: false }
+        deliver(&inbox, &message, &trial).await,
+        DeliveryAction::Ack { replayed: false }
     );
     assert_eq!(store.count_effects(&trial).await, 1);
 }
@@ -506,26 +510,22 @@ impl<S: Harness> Operation<S> for Ship {
         let reserved = format!("{}/reserved", request.trial);
         let fail = request.fail_first_step;
         steps
-            .local("reserve", move |tx| {
-                Box::pin(async move {
-                    if fail {
-                        return Err("warehouse locked".to_owned());
-                    }
-                    S::insert_effect(tx, &reserved)
-                        .await
-                        .map_err(|e| e.to_string())?;
-                    tokio::time::sleep(Duration::from_millis(2)).await;
-                    Ok(())
-                })
+            .local("reserve", async move |tx| {
+                if fail {
+                    return Err("warehouse locked".to_owned());
+                }
+                S::insert_effect(tx, &reserved)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                tokio::time::sleep(Duration::from_millis(2)).await;
+                Ok(())
             })
             .await?;
         let trial = request.trial.clone();
         steps
-            .finish(move |tx| {
-                Box::pin(async move {
-                    S::insert_effect(tx, &trial).await?;
-                    Ok::<_, sqlx::Error>(format!("shipped {trial}"))
-                })
+            .finish(async move |tx| {
+                S::insert_effect(tx, &trial).await?;
+                Ok::<_, sqlx::Error>(format!("shipped {trial}"))
             })
             .await
     }
@@ -556,7 +556,7 @@ impl<S: Harness> Operation<S> for Mail {
 async fn durable_operations_consume_once<S: Harness>(store: S) {
     const TRIALS: usize = 25;
     const CONSUMERS: usize = 8;
-    let consumer = consumer(&store);
+    let inbox = inbox(&store);
     for trial in 0..TRIALS {
         let trial = format!("{}-{trial}", unique("durable"));
         let request = Shipment {
@@ -565,25 +565,25 @@ async fn durable_operations_consume_once<S: Harness>(store: S) {
         };
         let barrier = Arc::new(Barrier::new(CONSUMERS));
         let deliveries = (0..CONSUMERS).map(|_| {
-            let (consumer, request, barrier) = (consumer.clone(), request.clone(), barrier.clone());
+            let (inbox, request, barrier) = (inbox.clone(), request.clone(), barrier.clone());
             let id = trial.clone();
             tokio::spawn(async move {
                 barrier.wait().await;
-                consumer.perform(QUEUE, &id, &Ship, &request).await
+                inbox.perform(QUEUE, &id, &Ship, &request).await
             })
         });
         let mut executed = 0;
-        for decision in join_all(deliveries).await {
-            match decision.unwrap() {
-                Decision::Ack { replayed: false } => executed += 1,
-                Decision::Ack { replayed: true } | Decision::RetryLater { .. } => {}
+        for action in join_all(deliveries).await {
+            match action.unwrap() {
+                DeliveryAction::Ack { replayed: false } => executed += 1,
+                DeliveryAction::Ack { replayed: true } | DeliveryAction::RetryLater { .. } => {}
                 other => panic!("{}: trial {trial}: unexpected {other:?}", S::NAME),
             }
         }
         assert_eq!(executed, 1, "{}: trial {trial}", S::NAME);
         assert_eq!(
-            consumer.perform(QUEUE, &trial, &Ship, &request).await,
-            Decision::Ack { replayed: true }
+            inbox.perform(QUEUE, &trial, &Ship, &request).await,
+            DeliveryAction::Ack { replayed: true }
         );
         assert_eq!(store.count_effects(&trial).await, 1);
         assert_eq!(store.count_effects(&format!("{trial}/reserved")).await, 1);
@@ -595,22 +595,22 @@ async fn durable_operations_consume_once<S: Harness>(store: S) {
         trial: trial.clone(),
         fail_first_step: true,
     };
-    let decision = consumer.perform(QUEUE, &trial, &Ship, &failing).await;
+    let action = inbox.perform(QUEUE, &trial, &Ship, &failing).await;
     assert!(
-        matches!(&decision, Decision::Retry { reason, .. } if reason.contains("warehouse locked")),
-        "{decision:?}"
+        matches!(&action, DeliveryAction::Retry { reason, .. } if reason.contains("warehouse locked")),
+        "{action:?}"
     );
-    let message = Message::json(QUEUE, "shipment.requested", &trial, &failing).unwrap();
-    assert_eq!(consumer.recorded_failures(&message).await.unwrap(), 1);
+    let message = Attempt::message_json(QUEUE, "shipment.requested", &trial, &failing).unwrap();
+    assert_eq!(inbox.recorded_failures(&message).await.unwrap(), 1);
     assert!(store.find(message.key()).await.unwrap().is_none());
 }
 
 async fn a_parked_durable_operation_is_dead_lettered_with_its_reason<S: Harness>(store: S) {
-    let consumer = consumer(&store);
+    let inbox = inbox(&store);
     let id = unique("mail");
     let request = "alice@example.com".to_owned();
-    let first = consumer.perform(QUEUE, &id, &Mail, &request).await;
-    let Decision::DeadLetter(DeadLetter::NeedsReview(Some(reason))) = &first else {
+    let first = inbox.perform(QUEUE, &id, &Mail, &request).await;
+    let DeliveryAction::DeadLetter(DeadLetter::NeedsReview(Some(reason))) = &first else {
         panic!(
             "{}: expected a dead-letter for review, got {first:?}",
             S::NAME
@@ -618,9 +618,9 @@ async fn a_parked_durable_operation_is_dead_lettered_with_its_reason<S: Harness>
     };
     assert!(reason.contains("smtp timeout"), "{reason}");
     // A redelivery is dead-lettered with the same reason, read from the parked key.
-    let again = consumer.perform(QUEUE, &id, &Mail, &request).await;
+    let again = inbox.perform(QUEUE, &id, &Mail, &request).await;
     assert_eq!(again, first);
-    if let Decision::DeadLetter(why) = &again {
+    if let DeliveryAction::DeadLetter(why) = &again {
         assert_eq!(why.code(), "needs-review");
     }
 }
