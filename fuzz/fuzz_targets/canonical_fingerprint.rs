@@ -3,7 +3,7 @@
 //! and the fingerprint of the input is the fingerprint of its canonical form.
 #![no_main]
 
-use idempotency::{canonical_json, Fingerprint};
+use idempotency::{Fingerprint, protocol::canonical_json};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

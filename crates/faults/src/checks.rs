@@ -12,7 +12,7 @@ use crate::{
     db::{Db, KeyRow, Placed, Snapshot},
 };
 use anyhow::{bail, ensure, Result};
-use idempotency::{provider_key, IdempotencyKey};
+use idempotency::{durable::provider_key, IdempotencyKey};
 use std::{
     collections::{BTreeMap, HashMap, HashSet},
     time::{Duration, Instant},

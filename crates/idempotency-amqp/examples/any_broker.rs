@@ -1,4 +1,4 @@
-//! The core inbox alone (`idempotency::Inbox`), on a stand-in for any broker: the same
+//! The core inbox alone (`idempotency::queue::Inbox`), on a stand-in for any broker: the same
 //! four answers map onto SQS, Kafka, NATS JetStream or a database queue (see `docs/queues.md`).
 //!
 //! The in-memory broker below delivers at least once: a publisher retries (every order is
@@ -10,7 +10,10 @@
 //! cargo run -p idempotency-amqp --example any_broker
 //! ```
 
-use idempotency::{Attempt, DeliveryAction, Idempotency, Inbox, SqliteStore, Store};
+use idempotency::{
+    queue::{DeliveryAction, Inbox},
+    Attempt, Idempotency, SqliteStore, Store,
+};
 use serde::{Deserialize, Serialize};
 use std::{
     collections::VecDeque,

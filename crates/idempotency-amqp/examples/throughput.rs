@@ -22,7 +22,7 @@
 //! `--no-replay-first` (the engine skips its replay read before the reservation).
 
 use futures_util::{future::BoxFuture, StreamExt};
-use idempotency::{Idempotency, Inbox, PgStore, SqliteStore, Store};
+use idempotency::{queue::Inbox, Idempotency, PgStore, SqliteStore, Store};
 use idempotency_amqp::{AmqpConsumer, Incoming, Topology};
 use lapin::{
     options::{
@@ -86,7 +86,7 @@ impl Options {
 }
 
 /// The business table and its insert, per database.
-trait Sink: Store + idempotency::CompletionSignal {
+trait Sink: Store + idempotency::store::CompletionSignal {
     const NAME: &'static str;
     fn insert<'t>(
         tx: &'t mut sqlx::Transaction<'_, Self::Database>,

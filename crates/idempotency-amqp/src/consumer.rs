@@ -8,7 +8,10 @@ use crate::{
     topology::{text, Topology},
 };
 use futures_util::{FutureExt, StreamExt};
-use idempotency::{CompletionSignal, DeadLetter, DeliveryAction, Inbox};
+use idempotency::{
+    queue::{DeadLetter, DeliveryAction, Inbox},
+    store::CompletionSignal,
+};
 use lapin::{
     message::Delivery,
     options::{
@@ -45,7 +48,7 @@ const DRAIN_WAIT: Duration = Duration::from_secs(5);
 /// delivery as [`DeadLetter::Definitive`]: a panic before the work is a bug no redelivery fixes.
 ///
 /// ```
-/// use idempotency::{DeadLetter, SqliteStore, DeliveryAction};
+/// use idempotency::{SqliteStore, queue::{DeadLetter, DeliveryAction}};
 /// use idempotency_amqp::Incoming;
 ///
 /// #[derive(serde::Deserialize)]

@@ -2,8 +2,10 @@
 //! the [`Inbox`] that runs its work once.
 
 use idempotency::{
-    Attempt, BoxError, CompletionSignal, DeliveryAction, FailureKind, Inbox, InvalidMessage,
-    Journal, Operation,
+    durable::{BoxError, Operation},
+    queue::{DeliveryAction, FailureKind, Inbox, InvalidMessage},
+    store::{CompletionSignal, Journal},
+    Attempt,
 };
 use lapin::BasicProperties;
 use serde::{de::DeserializeOwned, Serialize};

@@ -1,6 +1,6 @@
 //! An idempotent RabbitMQ consumer on [`lapin`]: **exactly-once effects** in the consumer's
 //! database on **at-least-once delivery**, with the [`idempotency`] crate's
-//! [`Inbox`](idempotency::Inbox).
+//! [`Inbox`](idempotency::queue::Inbox).
 //!
 //! # What the consumer does, per delivery
 //!
@@ -11,7 +11,7 @@
 //! 2. Calls the [`Handler`], which runs the work with [`Incoming::handle`]: reserve the key,
 //!    run the work in the business transaction, complete the key in that transaction, commit.
 //! 3. Settles the delivery **after** the handler's
-//!    [`DeliveryAction`](idempotency::DeliveryAction), so after the commit: ack (executed or
+//!    [`DeliveryAction`](idempotency::queue::DeliveryAction), so after the commit: ack (executed or
 //!    replayed); a delayed requeue (in progress elsewhere, or a failure with the key released);
 //!    or a dead letter with its reason. A crash between the commit and the ack costs a
 //!    redelivery, which is acked as a replay.
@@ -22,7 +22,7 @@
 //! running. [`Topology`] declares the queue with its dead-letter exchange and queue.
 //!
 //! ```no_run
-//! use idempotency::{DeliveryAction, Idempotency, Inbox, SqliteStore, Store};
+//! use idempotency::{Idempotency, SqliteStore, Store, queue::{DeliveryAction, Inbox}};
 //! use idempotency_amqp::{AmqpConsumer, Incoming, Topology};
 //! use lapin::{Connection, ConnectionProperties};
 //!
@@ -73,7 +73,7 @@ pub use topology::Topology;
 /// The headers of a dead letter published to a dead-letter exchange.
 pub mod headers {
     /// A stable name for why it was dead-lettered:
-    /// [`DeadLetter::code`](idempotency::DeadLetter::code) (`payload-mismatch`,
+    /// [`DeadLetter::code`](idempotency::queue::DeadLetter::code) (`payload-mismatch`,
     /// `poison`, `definitive`, `needs-review`, `invalid`).
     pub const CODE: &str = "x-dead-letter-code";
     /// Why, for a human (the last error of a poison message, for example).

@@ -46,7 +46,7 @@ impl Topology {
     /// Declares the queue as a **quorum queue** with `x-delivery-limit = limit`: the broker
     /// dead-letters a message after `limit` redeliveries, whatever the consumer does. A backstop
     /// for messages that crash the consumer's process (which the consumer cannot count); set it
-    /// well above [`Consumer::with_max_failures`](idempotency::Consumer::with_max_failures), since
+    /// well above [`Consumer::with_max_failures`](idempotency::queue::Inbox::with_max_failures), since
     /// requeued *in progress* deliveries count too. Needs RabbitMQ ≥ 3.8.
     pub fn with_delivery_limit(mut self, limit: u32) -> Self {
         self.delivery_limit = Some(limit);

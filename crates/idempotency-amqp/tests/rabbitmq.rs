@@ -8,7 +8,10 @@ mod common;
 use common::{
     broker, delete, json_properties, publish, publisher, ready, unique, wait_until, TestStore, WAIT,
 };
-use idempotency::{DeliveryAction, Idempotency, Inbox, SqliteStore};
+use idempotency::{
+    queue::{DeliveryAction, Inbox},
+    Idempotency, SqliteStore,
+};
 use idempotency_amqp::{headers, AmqpConsumer, Incoming, Topology};
 use lapin::{
     options::BasicGetOptions,

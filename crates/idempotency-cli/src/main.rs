@@ -20,8 +20,9 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, CommandFactory, Parser, Subcommand, ValueEnum};
 use db::{AnyStore, DatabaseUrl};
 use idempotency::{
-    IdempotencyKey, Journal, KeyFilter, KeyState, Maintenance, Purge, Recovery, RecoveryReport,
-    Resolution,
+    maintenance::{KeyFilter, Purge, Recovery, RecoveryReport, Resolution},
+    store::{Journal, KeyState, Maintenance},
+    IdempotencyKey,
 };
 use indicatif::{ProgressBar, ProgressStyle};
 use std::{io::IsTerminal, path::PathBuf, process::ExitCode, time::Duration};
@@ -365,7 +366,8 @@ async fn resolve<S: Maintenance>(store: &S, args: ResolveArgs) -> Result<()> {
         None => Resolution::Failed,
     };
     let record =
-        idempotency::resolve(store, &key, &resolution, &args.reason, args.retention).await?;
+        idempotency::maintenance::resolve(store, &key, &resolution, &args.reason, args.retention)
+            .await?;
     if args.json.json {
         println!("{:#}", render::record_json(&record));
     } else {

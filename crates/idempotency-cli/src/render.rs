@@ -1,7 +1,10 @@
 //! Human tables and JSON for scripts.
 
 use comfy_table::{presets::UTF8_FULL_CONDENSED, Cell, ContentArrangement, Table};
-use idempotency::{KeyRecord, KeyStats, PurgeReport, RecoveryReport};
+use idempotency::{
+    maintenance::{KeyStats, PurgeReport, RecoveryReport},
+    store::KeyRecord,
+};
 use serde_json::{json, Value};
 use std::time::Duration;
 

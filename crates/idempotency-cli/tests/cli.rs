@@ -3,8 +3,8 @@
 
 use assert_cmd::Command;
 use idempotency::{
-    Attempt, Effects, Fingerprint, Idempotency, IdempotencyKey, MySqlStore, PgStore, Reservation,
-    SqliteStore, Store,
+    protocol::Reservation, Attempt, Effects, Fingerprint, Idempotency, IdempotencyKey, MySqlStore,
+    PgStore, SqliteStore, Store,
 };
 use predicates::prelude::*;
 use serde_json::{json, Value};

@@ -3,7 +3,7 @@
 //! 422 key-reused.
 
 use axum::{http::StatusCode, response::IntoResponse, routing::post, Json, Router};
-use idempotency::{CompletionSignal, Idempotency, MySqlStore, PgStore, SqliteStore};
+use idempotency::{store::CompletionSignal, Idempotency, MySqlStore, PgStore, SqliteStore};
 use idempotency_client::{
     IdempotencyError, IdempotencyMiddleware, Outcome, RequestKey, RetryPolicy,
 };
@@ -308,26 +308,6 @@ async fn key_reused_with_the_real_layer() {
     assert_eq!(key.as_deref(), Some("same-key"));
     assert_eq!(outcome.attempt_count(), 1);
     assert_eq!(app.runs.load(Ordering::SeqCst), 1);
-}
-
-/// PostgreSQL's `notify_settled` reaches a `LISTEN`er with the key's payload.
-#[tokio::test]
-async fn postgres_notify_settled_reaches_a_listener() {
-    use idempotency::{completion_payload, IdempotencyKey, COMPLETION_CHANNEL};
-    let Some(url) = test_support::fresh_postgres_url().await else {
-        eprintln!("SKIPPED: TEST_POSTGRES_URL is not set");
-        return;
-    };
-    let store = PgStore::connect(&url).await.unwrap();
-    let mut listener = sqlx::postgres::PgListener::connect(&url).await.unwrap();
-    listener.listen(COMPLETION_CHANNEL).await.unwrap();
-    let key = IdempotencyKey::new("alice", "pay", "k-1").unwrap();
-    store.notify_settled(&key).await.unwrap();
-    let notification = tokio::time::timeout(Duration::from_secs(5), listener.recv())
-        .await
-        .expect("a notification")
-        .unwrap();
-    assert_eq!(notification.payload(), completion_payload(&key));
 }
 
 /// Two instances of the service on one database (two pools, two layers, as two processes would

@@ -8,7 +8,11 @@
 
 use crate::{error::IdempotencyRejection, IdempotencyLayer, KeyLease, Problem, StoredResponse};
 use axum::response::{IntoResponse, Response};
-use idempotency::{Effects, Idempotency, Journal, Operation, Operations, PerformError, Store};
+use idempotency::{
+    durable::{Operation, Operations, PerformError},
+    store::Journal,
+    Effects, Idempotency, Store,
+};
 use idempotency_wire::{ProblemType, DEFAULT_PROBLEM_BASE};
 use std::{sync::Arc, time::Duration};
 
@@ -25,7 +29,7 @@ use std::{sync::Arc, time::Duration};
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// use axum::{response::Response, routing::post, Json, Router};
-/// use idempotency::{Finished, Idempotency, Operation, Operations, SqliteStore, StepError, Steps, Store};
+/// use idempotency::{Idempotency, SqliteStore, Store, durable::{Finished, Operation, Operations, StepError, Steps}};
 /// use idempotency_http::{DurableRoute, IdempotencyScope, KeyLease, StoredResponse};
 ///
 /// struct Charge;

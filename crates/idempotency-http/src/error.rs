@@ -79,7 +79,7 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 pub enum InternalError {
     /// The scope or operation the layer derived is not a valid key part.
     #[error("invalid scope or operation: {0}")]
-    InvalidKey(#[source] idempotency::InvalidKey),
+    InvalidKey(#[source] idempotency::key::InvalidKey),
     /// A store failure that is not an outage (a corrupt row, a failed migration …).
     #[error("store failure: {0}")]
     Store(#[source] StoreError),

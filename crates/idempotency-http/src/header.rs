@@ -10,7 +10,7 @@
 //! The header names themselves are [`idempotency_wire::header`]'s.
 
 use http::{HeaderMap, HeaderValue};
-use idempotency::MAX_PART_LEN;
+use idempotency::key::MAX_PART_LEN;
 use idempotency_wire::header::IDEMPOTENCY_KEY;
 
 /// Why an `Idempotency-Key` header was rejected (answered with 400).

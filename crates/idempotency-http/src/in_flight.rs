@@ -43,8 +43,9 @@
 
 use futures_util::future::BoxFuture;
 use idempotency::{
-    Attempt, Awaited, CompletionSignal, Error, Fingerprint, Idempotency, IdempotencyKey,
-    Reservation, Store, StoreError,
+    protocol::Reservation,
+    store::{Awaited, CompletionSignal},
+    Attempt, Error, Fingerprint, Idempotency, IdempotencyKey, Store, StoreError,
 };
 use std::{
     collections::HashMap,

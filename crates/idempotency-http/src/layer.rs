@@ -422,7 +422,7 @@ impl<S: Store> IdempotencyLayer<S> {
     /// ```
     pub fn with_wait_for_in_flight(mut self, bound: Duration) -> Self
     where
-        S: idempotency::CompletionSignal,
+        S: idempotency::store::CompletionSignal,
     {
         self.config.wait_for_in_flight =
             (!bound.is_zero()).then(|| crate::in_flight::InFlightWait::new(bound));

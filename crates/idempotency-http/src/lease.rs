@@ -62,7 +62,7 @@ impl<S: Store> LeaseSlot<S> {
 /// stored, or the key released).
 ///
 /// ```no_run
-/// use idempotency::{PerformError, SqliteStore, Idempotency, Operation};
+/// use idempotency::{SqliteStore, Idempotency, durable::{PerformError, Operation}};
 /// use idempotency_http::{KeyLease, Problem, StoredResponse};
 /// use idempotency_http::wire::{ProblemType, DEFAULT_PROBLEM_BASE};
 ///

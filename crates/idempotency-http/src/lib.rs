@@ -61,7 +61,7 @@
 //!    [`IdempotencyLayer::with_disposition_by_status`].
 //!
 //! A handler that drives a **durable operation** (outside calls between local steps, see
-//! [`idempotency::Steps`] and `docs/external-calls.md`) takes the reservation with the
+//! [`idempotency::durable::Steps`] and `docs/external-calls.md`) takes the reservation with the
 //! [`KeyLease`] extractor and settles the key itself
 //! ([`Idempotency::perform_reserved`](idempotency::Idempotency::perform_reserved)); the layer
 //! then stores and releases nothing after it. Configure such a route with

@@ -233,14 +233,14 @@ impl axum::response::IntoResponse for StoredResponse {
 /// from the handler.
 ///
 /// ```
-/// # fn demo(finished: idempotency::Finished<idempotency_http::StoredResponse>) -> axum::response::Response {
+/// # fn demo(finished: idempotency::durable::Finished<idempotency_http::StoredResponse>) -> axum::response::Response {
 /// use axum::response::IntoResponse;
 /// use idempotency_http::StoredResponse;
 /// StoredResponse::from(finished).into_response()
 /// # }
 /// ```
-impl From<idempotency::Finished<StoredResponse>> for StoredResponse {
-    fn from(finished: idempotency::Finished<StoredResponse>) -> Self {
+impl From<idempotency::durable::Finished<StoredResponse>> for StoredResponse {
+    fn from(finished: idempotency::durable::Finished<StoredResponse>) -> Self {
         finished.into_response()
     }
 }

@@ -11,8 +11,10 @@ use axum::{body::Body, routing::post, Json, Router};
 use http::{Request, StatusCode};
 use http_body_util::BodyExt;
 use idempotency::{
-    CallError, Finished, Idempotency, KeyState, Lookup, MySqlStore, Operation, Operations, PgStore,
-    Recovery, SqliteStore, StepError, Steps,
+    durable::{CallError, Finished, Lookup, Operation, Operations, StepError, Steps},
+    maintenance::Recovery,
+    store::KeyState,
+    Idempotency, MySqlStore, PgStore, SqliteStore,
 };
 use idempotency_http::{DurableRoute, KeyLease, MissingScope, StoredResponse};
 use serde_json::{json, Value};
@@ -134,7 +136,7 @@ macro_rules! pay_on {
                     .finish(async |tx| {
                         sqlx::query(&insert).execute(&mut **tx).await?;
                         StoredResponse::json(StatusCode::CREATED, &json!({ "charge": charge }))
-                            .map_err(idempotency::BoxError::from)
+                            .map_err(idempotency::durable::BoxError::from)
                     })
                     .await
             }
@@ -144,7 +146,7 @@ macro_rules! pay_on {
 pay_on!(PgStore, SqliteStore, MySqlStore);
 
 /// The registry of the service: the same for the route and for the worker.
-fn operations<S: idempotency::Journal>(provider: Provider) -> Operations<S>
+fn operations<S: idempotency::store::Journal>(provider: Provider) -> Operations<S>
 where
     Pay: Operation<S>,
 {
@@ -152,7 +154,7 @@ where
 }
 
 /// The service, wired as the `DurableRoute` docs show.
-fn app<S: idempotency::Journal>(engine: Idempotency<S>, operations: &Operations<S>) -> Router
+fn app<S: idempotency::store::Journal>(engine: Idempotency<S>, operations: &Operations<S>) -> Router
 where
     Pay: Operation<S, Response = StoredResponse, Request = Value>,
 {
@@ -206,7 +208,11 @@ async fn the_child_pays_until_killed() {
     panic!("the child answered ({response}) instead of being killed mid-call");
 }
 
-async fn serve_one<S: idempotency::Journal>(store: S, provider: Provider, key: &str) -> StatusCode
+async fn serve_one<S: idempotency::store::Journal>(
+    store: S,
+    provider: Provider,
+    key: &str,
+) -> StatusCode
 where
     Pay: Operation<S, Response = StoredResponse, Request = Value>,
 {
@@ -286,8 +292,10 @@ async fn a_killed_durable_route_is_finished_once_by_the_worker(backend: Backend)
 /// finishes it once the lease ends. Then one charge and one call per key at the provider, the
 /// key completed with 201, and the client's retry gets that 201 replayed (the caller counts the
 /// payment rows).
-async fn kill_and_resume<S: idempotency::Journal + idempotency::Maintenance>(store: S, url: &str)
-where
+async fn kill_and_resume<S: idempotency::store::Journal + idempotency::store::Maintenance>(
+    store: S,
+    url: &str,
+) where
     Pay: Operation<S, Response = StoredResponse, Request = Value>,
 {
     store.migrate().await.expect("migrate");

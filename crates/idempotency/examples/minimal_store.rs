@@ -22,8 +22,10 @@
 //! Run it: `cargo run -p idempotency --example minimal_store --features testing`.
 
 use idempotency::{
-    CompletionSignal, Fingerprint, IdempotencyKey, Insertion, Journal, KeyRecord, KeyState,
-    LeaseToken, PendingRow, Progress, Store, StoreError,
+    store::{
+        CompletionSignal, Insertion, Journal, KeyRecord, KeyState, LeaseToken, PendingRow, Progress,
+    },
+    Fingerprint, IdempotencyKey, Store, StoreError,
 };
 use sqlx::{
     sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteRow},

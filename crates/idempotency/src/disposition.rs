@@ -32,6 +32,6 @@ pub enum Disposition {
     Release,
     /// An outside effect may have happened: roll back and park the key as *needs review* with
     /// this reason; retries are refused (HTTP 409 `needs-review`) until an operator settles it
-    /// (`idem keys resolve`, [`resolve`](crate::resolve)).
+    /// (`idem keys resolve`, [`resolve`](crate::maintenance::resolve)).
     Park(String),
 }

@@ -157,8 +157,8 @@ impl StoreError {
 /// MariaDB's deadlock 1213 also reports, and PostgreSQL's 40P01). A retry may succeed.
 ///
 /// ```
-/// assert!(idempotency::is_unavailable_error(&sqlx::Error::PoolClosed));
-/// assert!(!idempotency::is_unavailable_error(&sqlx::Error::RowNotFound));
+/// assert!(idempotency::store::is_unavailable_error(&sqlx::Error::PoolClosed));
+/// assert!(!idempotency::store::is_unavailable_error(&sqlx::Error::RowNotFound));
 /// ```
 pub fn is_unavailable_error(error: &sqlx::Error) -> bool {
     match error {
@@ -183,10 +183,10 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// Why a step, or a whole durable run, did not go on.
 ///
 /// Inside an operation, propagate these with `?`, or match the ones your operation can answer
-/// (a declined call, a step not done) and [`fail`](crate::Steps::fail) the operation.
+/// (a declined call, a step not done) and [`fail`](crate::durable::Steps::fail) the operation.
 ///
 /// ```
-/// use idempotency::StepError;
+/// use idempotency::durable::StepError;
 /// let error = StepError::NotDone { step: "charge".into() };
 /// assert!(error.to_string().contains("charge"));
 /// ```
@@ -229,13 +229,13 @@ pub enum StepError {
         /// The provider's reason.
         reason: String,
     },
-    /// An outside call did not take effect after [`StepPolicy::calls_per_step`](crate::StepPolicy::calls_per_step) calls.
+    /// An outside call did not take effect after [`StepPolicy::calls_per_step`](crate::durable::StepPolicy::calls_per_step) calls.
     #[error("step {step} did not take effect")]
     NotDone {
         /// The step.
         step: String,
     },
-    /// The request is larger than [`MAX_STORED_REQUEST`](crate::MAX_STORED_REQUEST).
+    /// The request is larger than [`MAX_STORED_REQUEST`](crate::durable::MAX_STORED_REQUEST).
     #[error("the request has {size} bytes; a durable operation stores at most {limit}")]
     RequestTooLarge {
         /// Its canonical size.
@@ -257,7 +257,7 @@ impl StepError {
     /// same work may be tried again.
     ///
     /// ```
-    /// use idempotency::StepError;
+    /// use idempotency::durable::StepError;
     /// let outage = StepError::Local { step: "order".into(), source: Box::new(sqlx::Error::PoolTimedOut) };
     /// assert!(outage.is_unavailable());
     /// assert!(!StepError::NotDone { step: "charge".into() }.is_unavailable());
@@ -296,7 +296,7 @@ impl From<sqlx::Error> for StepError {
 /// | `Interrupted` | pending until its lease ends, then resumed | retry later |
 ///
 /// ```
-/// use idempotency::PerformError;
+/// use idempotency::durable::PerformError;
 /// use std::time::Duration;
 /// let error = PerformError::Pending { retry_after: Duration::from_secs(1), reason: "charge: timeout".into() };
 /// assert!(error.to_string().contains("background"));

@@ -129,7 +129,7 @@ impl FingerprintBuilder {
 /// doubles.
 ///
 /// ```
-/// let bytes = idempotency::canonical_json(&serde_json::json!({"b": 1, "a": [1.50, "x", 2.0]}))?;
+/// let bytes = idempotency::protocol::canonical_json(&serde_json::json!({"b": 1, "a": [1.50, "x", 2.0]}))?;
 /// assert_eq!(bytes, br#"{"a":[1.5,"x",2],"b":1}"#);
 /// # Ok::<(), serde_json::Error>(())
 /// ```

@@ -45,7 +45,7 @@ const RECORD_ATTEMPTS: u32 = 8;
 /// let b = Attempt::message_json("billing", "invoice.send", "m-1", &serde_json::json!({"b": 2, "a": 1}))?;
 /// assert_eq!(a.fingerprint(), b.fingerprint());
 /// assert_eq!(a.key().to_string(), "billing/invoice.send/m-1");
-/// # Ok::<(), idempotency::InvalidMessage>(())
+/// # Ok::<(), idempotency::queue::InvalidMessage>(())
 /// ```
 impl Attempt {
     /// The attempt of a message whose payload is a serialisable value, fingerprinted as
@@ -55,7 +55,7 @@ impl Attempt {
     /// use idempotency::Attempt;
     /// let paid = Attempt::message_json("shipping", "order.paid", "m-1", &serde_json::json!({"order": 7}))?;
     /// assert_eq!(paid.key().operation(), "order.paid");
-    /// # Ok::<(), idempotency::InvalidMessage>(())
+    /// # Ok::<(), idempotency::queue::InvalidMessage>(())
     /// ```
     pub fn message_json<T: Serialize>(
         scope: &str,
@@ -71,7 +71,7 @@ impl Attempt {
     /// canonical JSON; fails if the bytes are not JSON.
     ///
     /// ```
-    /// use idempotency::{Attempt, InvalidMessage};
+    /// use idempotency::{Attempt, queue::InvalidMessage};
     /// assert!(Attempt::message_json_bytes("q", "t", "m-1", br#"{"a": 1}"#).is_ok());
     /// let error = Attempt::message_json_bytes("q", "t", "m-1", b"not json").unwrap_err();
     /// assert!(matches!(error, InvalidMessage::Json(_)));
@@ -93,7 +93,7 @@ impl Attempt {
     /// use idempotency::{Attempt, Fingerprint};
     /// let raw = Attempt::message_bytes("q", "t", "m-1", b"\x08\x01")?;
     /// assert_eq!(*raw.fingerprint(), Fingerprint::of_bytes(b"\x08\x01"));
-    /// # Ok::<(), idempotency::InvalidMessage>(())
+    /// # Ok::<(), idempotency::queue::InvalidMessage>(())
     /// ```
     pub fn message_bytes(
         scope: &str,
@@ -109,7 +109,7 @@ impl Attempt {
     /// most [`MAX_MESSAGE_TYPE_LEN`] bytes long.
     ///
     /// ```
-    /// use idempotency::{Attempt, Fingerprint, InvalidMessage, MAX_MESSAGE_TYPE_LEN};
+    /// use idempotency::{Attempt, Fingerprint, queue::{InvalidMessage, MAX_MESSAGE_TYPE_LEN}};
     /// let fingerprint = Fingerprint::of_bytes(b"body");
     /// assert!(Attempt::message_with_fingerprint("q", "t", "m-1", fingerprint).is_ok());
     /// let long = "t".repeat(MAX_MESSAGE_TYPE_LEN + 1);
@@ -138,7 +138,7 @@ impl Attempt {
 /// can fix it.
 ///
 /// ```
-/// use idempotency::{Attempt, InvalidMessage};
+/// use idempotency::{Attempt, queue::InvalidMessage};
 /// let error = Attempt::message_json_bytes("q", "t", "m-1", b"not json").unwrap_err();
 /// assert!(matches!(error, InvalidMessage::Json(_)));
 /// ```
@@ -162,7 +162,7 @@ pub enum InvalidMessage {
 /// What the transport should do with a delivery, as [`Inbox::handle`] decided it.
 ///
 /// ```
-/// use idempotency::DeliveryAction;
+/// use idempotency::queue::DeliveryAction;
 /// use std::time::Duration;
 /// let action = DeliveryAction::RetryLater { delay: Duration::from_millis(200) };
 /// assert!(!action.is_ack());
@@ -229,7 +229,7 @@ impl fmt::Display for DeliveryAction {
 /// metric; `Display` is the reason for a human.
 ///
 /// ```
-/// use idempotency::DeadLetter;
+/// use idempotency::queue::DeadLetter;
 /// let poison = DeadLetter::Poison { failures: 5, last_error: "timeout".into() };
 /// assert_eq!(poison.code(), "poison");
 /// assert_eq!(poison.to_string(), "the work failed 5 times; last: timeout");
@@ -294,7 +294,7 @@ impl fmt::Display for DeadLetter {
 /// How a failed work's error should be treated; see [`Inbox::handle_with`].
 ///
 /// ```
-/// use idempotency::FailureKind;
+/// use idempotency::queue::FailureKind;
 /// let classify = |e: &std::io::Error| match e.kind() {
 ///     std::io::ErrorKind::InvalidData => FailureKind::Definitive,
 ///     std::io::ErrorKind::ConnectionRefused => FailureKind::Unavailable,
@@ -361,7 +361,7 @@ pub enum FailureKind {
 /// # #[cfg(feature = "sqlite")]
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-/// use idempotency::{Attempt, DeadLetter, DeliveryAction, Inbox};
+/// use idempotency::{Attempt, queue::{DeadLetter, DeliveryAction, Inbox}};
 /// use idempotency::{SqliteStore, Store, Idempotency};
 ///
 /// let store = SqliteStore::connect("sqlite::memory:").await?;
@@ -528,9 +528,9 @@ impl<S: CompletionSignal> Inbox<S> {
     ///
     /// An operation whose outside outcome is unknown stays pending and is carried on by the
     /// [`MaintenanceWorker`](crate::worker::MaintenanceWorker) (with the operation registered in
-    /// its [`Operations`](crate::Operations)) or by the next delivery: the delivery is
+    /// its [`Operations`](crate::durable::Operations)) or by the next delivery: the delivery is
     /// [`RetryLater`](DeliveryAction::RetryLater), and is acked once the operation has settled. A
-    /// settled failure ([`Steps::fail`](crate::Steps::fail)) is stored and acked like a success:
+    /// settled failure ([`Steps::fail`](crate::durable::Steps::fail)) is stored and acked like a success:
     /// it was compensated and will not change.
     pub async fn perform<O: Operation<S>>(
         &self,

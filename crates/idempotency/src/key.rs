@@ -30,7 +30,7 @@ impl fmt::Display for KeyPart {
 /// Why a key was rejected; returned by [`IdempotencyKey::new`].
 ///
 /// ```
-/// use idempotency::{IdempotencyKey, InvalidKey, KeyPart};
+/// use idempotency::{IdempotencyKey, key::{InvalidKey, KeyPart}};
 /// let err = IdempotencyKey::new("user-1", "purchase", "").unwrap_err();
 /// assert_eq!(err, InvalidKey::Empty(KeyPart::Key));
 /// ```
@@ -69,7 +69,7 @@ pub enum InvalidKey {
 /// let key = IdempotencyKey::new("user-42", "purchase", "8e03978e-40d5-43e8-bc93-6894a57f9324")?;
 /// assert_eq!(key.scope(), "user-42");
 /// assert_eq!(key.operation(), "purchase");
-/// # Ok::<(), idempotency::InvalidKey>(())
+/// # Ok::<(), idempotency::key::InvalidKey>(())
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct IdempotencyKey {

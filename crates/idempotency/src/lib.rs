@@ -7,52 +7,94 @@ mod error;
 mod fingerprint;
 mod heartbeat;
 mod inbox;
-mod key;
+pub mod key;
 mod lease;
 mod operation;
 mod outcome;
-mod protocol;
+pub mod protocol;
 mod recent_replays;
 mod recovery;
 mod replay_cache;
 mod retention;
 mod steps;
-mod store;
-#[cfg(feature = "testing")]
-#[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
-pub mod testing;
+pub mod store;
 mod worker;
 
+// What an application writes: the engine, its attempt and answers, the key and fingerprint, the
+// store it runs on.
 pub use disposition::Disposition;
-pub use error::{is_unavailable_error, BoxError, Error, PerformError, StepError, StoreError};
-pub use fingerprint::{canonical_json, Fingerprint, FingerprintBuilder};
-pub use inbox::{
-    DeadLetter, DeliveryAction, FailureKind, Inbox, InvalidMessage, MAX_MESSAGE_TYPE_LEN,
-};
-pub use key::{IdempotencyKey, InvalidKey, KeyPart, MAX_PART_LEN};
+pub use error::{Error, StoreError};
+pub use fingerprint::Fingerprint;
+#[doc(inline)]
+pub use key::IdempotencyKey;
 pub use lease::Lease;
-pub use operation::{Operation, Operations};
 pub use outcome::Outcome;
-pub use protocol::{Attempt, Begun, Idempotency, Reservation};
-pub use recovery::{
-    resolve, NoResolver, ProviderAnswer, Recovery, RecoveryReport, ResolveError, Resolver,
-};
-pub use retention::{Purge, PurgeReport};
-pub use steps::{
-    provider_key, CallError, Finished, Lookup, Settlement, StepPolicy, Steps, MAX_STORED_REQUEST,
-};
+#[doc(inline)]
+pub use protocol::{Attempt, Idempotency};
 #[cfg(feature = "mysql")]
 #[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
 pub use store::mysql::MySqlStore;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
-pub use store::postgres::{completion_payload, PgStore, COMPLETION_CHANNEL, NOTIFIED_POLL};
+pub use store::postgres::PgStore;
 #[cfg(feature = "sqlite")]
 #[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
 pub use store::sqlite::SqliteStore;
-pub use store::{
-    Awaited, CompletionSignal, Effects, Insertion, Journal, KeyFilter, KeyRecord, KeyState,
-    KeyStats, LeaseToken, Maintenance, PendingRow, Progress, ReserveInTransaction, ReservedIn,
-    Resolution, StateCount, Store, POLL_FIRST, POLL_MAX,
-};
-pub use worker::{MaintenanceWorker, WorkerHandle, WorkerReport};
+#[doc(inline)]
+pub use store::{Effects, Store};
+
+pub mod durable {
+    //! Durable operations: work that calls outside services, written as steps that commit recovery
+    //! points, with provider keys derived from ours, resumed after a crash from the last step.
+    //!
+    //! An [`Operation`] runs its [`Steps`]; the [`Operations`] registry is what the maintenance
+    //! worker resumes from; a [`Resolver`] asks a provider about an abandoned outside call.
+    //!
+    //! ```
+    //! use idempotency::durable::{provider_key, StepPolicy};
+    //! let key = idempotency::IdempotencyKey::new("user-42", "purchase", "k-1")?;
+    //! assert!(provider_key(&key, "charge").len() > 10);
+    //! assert!(StepPolicy::default().max_unknown() >= 1);
+    //! # Ok::<(), idempotency::key::InvalidKey>(())
+    //! ```
+
+    pub use crate::error::{BoxError, PerformError, StepError};
+    pub use crate::operation::{Operation, Operations};
+    pub use crate::recovery::{NoResolver, ProviderAnswer, Resolver};
+    pub use crate::steps::{
+        provider_key, CallError, Finished, Lookup, Settlement, StepPolicy, Steps,
+        MAX_STORED_REQUEST,
+    };
+}
+
+pub mod queue {
+    //! Queues: exactly-once effects on at-least-once delivery. An [`Inbox`] runs one message's work
+    //! at most once per message key and answers what to do with the delivery ([`DeliveryAction`]).
+    //!
+    //! ```
+    //! use idempotency::queue::{DeliveryAction, MAX_MESSAGE_TYPE_LEN};
+    //! assert!(DeliveryAction::Ack.is_ack());
+    //! assert!(MAX_MESSAGE_TYPE_LEN < idempotency::key::MAX_PART_LEN);
+    //! ```
+
+    pub use crate::inbox::{
+        DeadLetter, DeliveryAction, FailureKind, Inbox, InvalidMessage, MAX_MESSAGE_TYPE_LEN,
+    };
+}
+
+pub mod maintenance {
+    //! Operators: the maintenance worker (recovery of abandoned keys and the retention purge), key
+    //! listings and statistics, and the resolution of keys parked for review.
+    //!
+    //! ```
+    //! use idempotency::maintenance::{KeyFilter, RecoveryReport};
+    //! let filter = KeyFilter::default().with_limit(10);
+    //! assert_eq!(filter.limit(), 10);
+    //! assert_eq!(RecoveryReport::default().acted(), 0);
+    //! ```
+
+    pub use crate::recovery::{resolve, Recovery, RecoveryReport, ResolveError};
+    pub use crate::retention::{Purge, PurgeReport};
+    pub use crate::store::maintenance::{KeyFilter, KeyStats, Resolution, StateCount};
+    pub use crate::worker::{MaintenanceWorker, WorkerHandle, WorkerReport};
+}

@@ -29,8 +29,8 @@ use std::{any::Any, collections::HashMap, future::Future, panic::AssertUnwindSaf
 /// ```
 /// # #[cfg(feature = "sqlite")]
 /// # mod demo {
-/// use idempotency::{Operation, Operations};
-/// use idempotency::{CallError, Finished, Lookup, StepError, Steps};
+/// use idempotency::{durable::{Operation, Operations}};
+/// use idempotency::{durable::{CallError, Finished, Lookup, StepError, Steps}};
 /// use idempotency::SqliteStore;
 /// use serde::{Deserialize, Serialize};
 ///
@@ -130,7 +130,7 @@ impl<S: Journal, O: Operation<S>> Resumable<S> for O {
 /// ```
 /// # #[cfg(feature = "sqlite")]
 /// # {
-/// use idempotency::{Operations, SqliteStore};
+/// use idempotency::{SqliteStore, durable::Operations};
 /// let registry: Operations<SqliteStore> = Operations::new();
 /// assert!(!registry.contains("purchase"));
 /// # }
@@ -211,7 +211,7 @@ impl<S: Journal> Operations<S> {
     /// ```
     /// # #[cfg(feature = "sqlite")]
     /// # {
-    /// use idempotency::{Finished, Operation, Operations, SqliteStore, StepError, Steps};
+    /// use idempotency::{SqliteStore, durable::{Finished, Operation, Operations, StepError, Steps}};
     ///
     /// struct Ping;
     /// impl Operation<SqliteStore> for Ping {

@@ -1,6 +1,22 @@
 //! The protocol of the article, top to bottom: **reserve** (own commit) → **run** the work in the
 //! business transaction → **complete** the key in that same transaction → commit; on failure
 //! **release** the key only if it is still pending with our lease.
+//!
+//! An application calls [`Idempotency::run`]. An integration (an HTTP layer, a queue adapter)
+//! may take the steps one at a time: [`Idempotency::reserve`] answers a [`Reservation`],
+//! [`Idempotency::begin_reserved`] a [`Begun`], and a request is fingerprinted with a
+//! [`FingerprintBuilder`] (bodies in [`canonical_json`]).
+//!
+//! ```
+//! use idempotency::protocol::{canonical_json, FingerprintBuilder};
+//! let body = canonical_json(&serde_json::json!({"b": 1, "a": 2}))?;
+//! let fingerprint = idempotency::Fingerprint::builder().part("body", &body).finish();
+//! let _: FingerprintBuilder = idempotency::Fingerprint::builder();
+//! assert_eq!(fingerprint.to_hex().len(), 64);
+//! # Ok::<(), serde_json::Error>(())
+//! ```
+
+pub use crate::fingerprint::{canonical_json, FingerprintBuilder};
 
 use crate::{
     disposition::Disposition,
@@ -31,7 +47,7 @@ const RESERVE_ATTEMPTS: u32 = 8;
 /// let key = IdempotencyKey::new("user-1", "send-mail", "k-1")?;
 /// let attempt = Attempt::new(key, Fingerprint::of_bytes(b"hello")).with_effects(Effects::External);
 /// assert_eq!(attempt.effects(), Effects::External);
-/// # Ok::<(), idempotency::InvalidKey>(())
+/// # Ok::<(), idempotency::key::InvalidKey>(())
 /// ```
 #[derive(Debug, Clone)]
 pub struct Attempt {
@@ -72,7 +88,7 @@ impl Attempt {
         self.effects
     }
 
-    /// Whether the work is a durable operation ([`Steps`](crate::Steps)) that commits a recovery point before
+    /// Whether the work is a durable operation ([`Steps`](crate::durable::Steps)) that commits a recovery point before
     /// any outside call (default `false`). Its reservation then need not be flushed to disk on
     /// its own: the first step's commit flushes it too (see [`Attempt::with_journaled`]).
     pub fn journaled(&self) -> bool {
@@ -85,9 +101,9 @@ impl Attempt {
         self
     }
 
-    /// Declares the work a durable operation run through [`Steps`](crate::Steps) ([`Idempotency::perform`]
+    /// Declares the work a durable operation run through [`Steps`](crate::durable::Steps) ([`Idempotency::perform`]
     /// and [`Idempotency::perform_reserved`] do): every outside call comes after a committed,
-    /// flushed recovery point (a local step, or the mark [`Steps::call`](crate::Steps::call) writes first). A crash
+    /// flushed recovery point (a local step, or the mark [`Steps::call`](crate::durable::Steps::call) writes first). A crash
     /// before that commit loses at most a reservation whose work had no effect, so the
     /// reservation is not flushed on its own (PostgreSQL: `synchronous_commit = off` for its
     /// statement; log records are flushed in order, so the first step's commit makes it durable).
@@ -101,7 +117,7 @@ impl Attempt {
     ///     .with_effects(Effects::External)
     ///     .with_journaled(true);
     /// assert!(attempt.journaled());
-    /// # Ok::<(), idempotency::InvalidKey>(())
+    /// # Ok::<(), idempotency::key::InvalidKey>(())
     /// ```
     pub fn with_journaled(mut self, journaled: bool) -> Self {
         self.journaled = journaled;
@@ -125,7 +141,7 @@ enum Started<S: Store, R> {
 ///
 /// ```no_run
 /// # async fn demo(idem: idempotency::Idempotency<idempotency::PgStore>, attempt: idempotency::Attempt) -> Result<(), idempotency::Error> {
-/// use idempotency::Begun;
+/// use idempotency::protocol::Begun;
 /// match idem.begin_reserved(&attempt).await? {
 ///     Begun::Acquired(lease, mut tx) => {
 ///         sqlx::query("INSERT INTO orders (sku) VALUES ('tea')").execute(&mut *tx).await.map_err(idempotency::StoreError::from)?;
@@ -625,7 +641,7 @@ impl<S: Store> Idempotency<S> {
     ///
     /// ```no_run
     /// # async fn demo(idem: idempotency::Idempotency<idempotency::PgStore>, attempt: idempotency::Attempt, lease: idempotency::Lease<idempotency::PgStore>) -> Result<(), idempotency::Error> {
-    /// use idempotency::Reservation;
+    /// use idempotency::protocol::Reservation;
     /// if let Reservation::Acquired(lease) = idem.reserve_committed(&attempt, lease).await? {
     ///     lease.park("refused by the fraud check").await?;
     /// }
@@ -939,16 +955,16 @@ impl<S: Store> Idempotency<S> {
     ///
     /// Every place that runs work inside a business transaction takes this same closure and
     /// this same error bound: `run`, [`run_with`](Self::run_with), the durable steps
-    /// ([`Steps::local`](crate::Steps::local), [`Steps::finish`](crate::Steps::finish),
-    /// [`Steps::fail`](crate::Steps::fail)) and the queue's [`Inbox::handle`](crate::Inbox::handle)
-    /// and [`Inbox::handle_with`](crate::Inbox::handle_with) (and `idempotency_amqp`'s
+    /// ([`Steps::local`](crate::durable::Steps::local), [`Steps::finish`](crate::durable::Steps::finish),
+    /// [`Steps::fail`](crate::durable::Steps::fail)) and the queue's [`Inbox::handle`](crate::queue::Inbox::handle)
+    /// and [`Inbox::handle_with`](crate::queue::Inbox::handle_with) (and `idempotency_amqp`'s
     /// `Incoming::handle`, which call them). Work written for one fits the others.
     ///
     /// The error is any `E: Into<BoxError> + Send`: every `std::error::Error + Send + Sync` type
     /// (`sqlx::Error`, your own `thiserror` enum), `anyhow::Error`, `String` and `&str`. `run`
     /// hands it back untouched, as [`Error::Operation`]; the steps and the inbox, which must keep
-    /// or report an error of any work, turn it into a [`BoxError`] ([`StepError::Local`](crate::StepError::Local))
-    /// or its text (a failure record, [`DeliveryAction::Retry`](crate::DeliveryAction::Retry)).
+    /// or report an error of any work, turn it into a [`BoxError`] ([`StepError::Local`](crate::durable::StepError::Local))
+    /// or its text (a failure record, [`DeliveryAction::Retry`](crate::queue::DeliveryAction::Retry)).
     /// This is the widest bound all of them can live with: `Display` alone could not be boxed
     /// as an error source, and `std::error::Error + 'static` alone would refuse `anyhow::Error`
     /// and plain strings. Unlike sqlx's `Connection::transaction`, no `E: From<sqlx::Error>` is

@@ -14,7 +14,7 @@ use std::{fmt, future::Future, panic::AssertUnwindSafe, time::Duration};
 /// What the provider says about an external operation whose worker vanished.
 ///
 /// ```
-/// use idempotency::ProviderAnswer;
+/// use idempotency::durable::ProviderAnswer;
 /// let answer = ProviderAnswer::Completed(br#"{"charge":"ch_1"}"#.to_vec());
 /// assert!(matches!(answer, ProviderAnswer::Completed(_)));
 /// ```
@@ -35,8 +35,8 @@ pub enum ProviderAnswer {
 /// answer [`ProviderAnswer::Unknown`].
 ///
 /// ```
-/// use idempotency::{ProviderAnswer, Resolver};
-/// use idempotency::KeyRecord;
+/// use idempotency::{durable::{ProviderAnswer, Resolver}};
+/// use idempotency::store::KeyRecord;
 /// struct AlwaysFailed;
 /// impl Resolver for AlwaysFailed {
 ///     async fn resolve(&self, _record: &KeyRecord) -> ProviderAnswer {
@@ -52,7 +52,7 @@ pub trait Resolver: Send + Sync + 'static {
 /// The absence of a resolver: external keys are parked for a human.
 ///
 /// ```
-/// use idempotency::{NoResolver, Recovery};
+/// use idempotency::{durable::NoResolver, maintenance::Recovery};
 /// # #[cfg(feature = "sqlite")]
 /// # fn demo(store: idempotency::SqliteStore) {
 /// let recovery: Recovery<_, NoResolver> = Recovery::new(store);
@@ -70,7 +70,7 @@ impl Resolver for NoResolver {
 /// What one recovery pass did, key by key.
 ///
 /// ```
-/// use idempotency::RecoveryReport;
+/// use idempotency::maintenance::RecoveryReport;
 /// let mut report = RecoveryReport::default();
 /// report.released = 2;
 /// report.parked = 1;
@@ -142,7 +142,7 @@ impl fmt::Display for RecoveryReport {
 /// ```no_run
 /// # #[cfg(feature = "sqlite")]
 /// # async fn demo(store: idempotency::SqliteStore) -> Result<(), idempotency::StoreError> {
-/// use idempotency::Recovery;
+/// use idempotency::maintenance::Recovery;
 /// use std::time::Duration;
 /// let recovery = Recovery::new(store).with_max_attempts(3).with_batch(500);
 /// let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -176,9 +176,9 @@ impl fmt::Display for RecoveryReport {
 /// ```no_run
 /// # #[cfg(feature = "sqlite")]
 /// # async fn demo() -> Result<(), idempotency::StoreError> {
-/// use idempotency::{ProviderAnswer, Recovery, Resolver};
+/// use idempotency::{durable::{ProviderAnswer, Resolver}, maintenance::Recovery};
 /// use idempotency::{SqliteStore, Store};
-/// use idempotency::KeyRecord;
+/// use idempotency::store::KeyRecord;
 ///
 /// struct Payments;
 /// impl Resolver for Payments {
@@ -561,7 +561,7 @@ impl RecoveryReport {
 /// Why [`resolve`] refused.
 ///
 /// ```
-/// use idempotency::ResolveError;
+/// use idempotency::maintenance::ResolveError;
 /// assert!(ResolveError::EmptyReason.to_string().contains("reason"));
 /// ```
 #[derive(Debug, thiserror::Error)]
@@ -592,7 +592,7 @@ pub enum ResolveError {
 /// ```no_run
 /// # #[cfg(feature = "sqlite")]
 /// # async fn demo(store: idempotency::SqliteStore) -> Result<(), Box<dyn std::error::Error>> {
-/// use idempotency::{resolve, Resolution, IdempotencyKey};
+/// use idempotency::{IdempotencyKey, maintenance::{resolve, Resolution}};
 /// use std::time::Duration;
 /// let key = IdempotencyKey::new("user-1", "charge", "k-9")?;
 /// let row = resolve(&store, &key, &Resolution::Failed, "provider shows no charge", Duration::from_secs(86_400)).await?;

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 /// What a purge did.
 ///
 /// ```
-/// use idempotency::PurgeReport;
+/// use idempotency::maintenance::PurgeReport;
 /// let report = PurgeReport::default();
 /// assert_eq!(report.deleted, 0);
 /// ```
@@ -26,7 +26,7 @@ pub struct PurgeReport {
 /// ```no_run
 /// # #[cfg(feature = "sqlite")]
 /// # async fn demo(store: idempotency::SqliteStore) -> Result<(), idempotency::StoreError> {
-/// use idempotency::Purge;
+/// use idempotency::maintenance::Purge;
 /// use std::time::Duration;
 /// let purge = Purge::new(store).with_batch(500).with_pause(Duration::from_millis(5));
 /// println!("{} rows would be deleted", purge.count().await?);
@@ -45,7 +45,7 @@ pub struct PurgeReport {
 /// ```no_run
 /// # #[cfg(feature = "sqlite")]
 /// # async fn demo(store: idempotency::SqliteStore) -> Result<(), idempotency::StoreError> {
-/// use idempotency::Purge;
+/// use idempotency::maintenance::Purge;
 /// let report = Purge::new(store).with_batch(1_000).run(|deleted| eprintln!("{deleted} rows")).await?;
 /// println!("deleted {} rows in {} batches", report.deleted, report.batches);
 /// # Ok(()) }

@@ -38,12 +38,12 @@ fn bounded_point(point: &str) -> &str {
 /// never does. 64 characters, within every provider's limit.
 ///
 /// ```
-/// use idempotency::{provider_key, IdempotencyKey};
+/// use idempotency::{IdempotencyKey, durable::provider_key};
 /// let key = IdempotencyKey::new("user-1", "purchase", "k-1")?;
 /// assert_eq!(provider_key(&key, "charge"), provider_key(&key, "charge"));
 /// assert_ne!(provider_key(&key, "charge"), provider_key(&key, "refund"));
 /// assert_eq!(provider_key(&key, "charge").len(), 64);
-/// # Ok::<(), idempotency::InvalidKey>(())
+/// # Ok::<(), idempotency::key::InvalidKey>(())
 /// ```
 pub fn provider_key(key: &IdempotencyKey, step: &str) -> String {
     let mut digest = Sha256::new();
@@ -57,7 +57,7 @@ pub fn provider_key(key: &IdempotencyKey, step: &str) -> String {
 /// How an outside call failed.
 ///
 /// ```
-/// use idempotency::CallError;
+/// use idempotency::durable::CallError;
 /// let lost = CallError::Unknown("timeout".into());
 /// assert!(lost.to_string().contains("timeout"));
 /// ```
@@ -75,7 +75,7 @@ pub enum CallError {
 /// What a provider says when asked about a call by its key.
 ///
 /// ```
-/// use idempotency::Lookup;
+/// use idempotency::durable::Lookup;
 /// let answer: Lookup<u32> = Lookup::Done(7);
 /// assert!(matches!(answer, Lookup::Done(7)));
 /// ```
@@ -93,7 +93,7 @@ pub enum Lookup<T> {
 /// How persistent a durable operation is with outside calls.
 ///
 /// ```
-/// use idempotency::StepPolicy;
+/// use idempotency::durable::StepPolicy;
 /// use std::time::Duration;
 /// let policy = StepPolicy::default();
 /// assert_eq!(policy.max_unknown(), 5);
@@ -161,7 +161,7 @@ impl Default for StepPolicy {
 /// How a durable operation was settled.
 ///
 /// ```
-/// use idempotency::Settlement;
+/// use idempotency::durable::Settlement;
 /// assert_ne!(Settlement::Completed, Settlement::Failed);
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -12,7 +12,7 @@ use tokio::{sync::oneshot, task::JoinHandle};
 /// What a worker did over its life.
 ///
 /// ```
-/// use idempotency::WorkerReport;
+/// use idempotency::maintenance::WorkerReport;
 /// let report = WorkerReport::default();
 /// assert_eq!(report.to_string(), "passes 0, failed passes 0, purged 0; released 0, completed 0, failed 0, parked 0, unknown 0, skipped 0, unregistered 0");
 /// ```
@@ -53,7 +53,7 @@ impl fmt::Display for WorkerReport {
 /// ```no_run
 /// # #[cfg(feature = "sqlite")]
 /// # async fn demo() -> Result<(), idempotency::StoreError> {
-/// use idempotency::{SqliteStore, Store, MaintenanceWorker};
+/// use idempotency::{SqliteStore, Store, maintenance::MaintenanceWorker};
 /// let store = SqliteStore::connect("sqlite://shop.db").await?;
 /// store.migrate().await?;
 /// let worker = MaintenanceWorker::new(store).spawn();
@@ -153,7 +153,7 @@ impl<S: Maintenance + Journal, R: Resolver> MaintenanceWorker<S, R> {
     /// # #[cfg(feature = "sqlite")]
     /// # #[tokio::main(flavor = "current_thread")]
     /// # async fn main() -> Result<(), idempotency::StoreError> {
-    /// use idempotency::{MaintenanceWorker, SqliteStore, Store};
+    /// use idempotency::{SqliteStore, Store, maintenance::MaintenanceWorker};
     /// let store = SqliteStore::connect("sqlite::memory:").await?;
     /// store.migrate().await?;
     /// let worker = MaintenanceWorker::new(store).spawn();
@@ -172,7 +172,7 @@ impl<S: Maintenance + Journal, R: Resolver> MaintenanceWorker<S, R> {
     /// # #[cfg(feature = "sqlite")]
     /// # #[tokio::main(flavor = "current_thread")]
     /// # async fn main() -> Result<(), idempotency::StoreError> {
-    /// use idempotency::{MaintenanceWorker, SqliteStore, Store};
+    /// use idempotency::{SqliteStore, Store, maintenance::MaintenanceWorker};
     /// let store = SqliteStore::connect("sqlite::memory:").await?;
     /// store.migrate().await?;
     /// MaintenanceWorker::new(store).spawn();

@@ -1,4 +1,4 @@
-//! The published conformance suite (`idempotency::testing`, `store_conformance!`) on this
+//! The published conformance suite (`idempotency::store::testing`, `store_conformance!`) on this
 //! crate's three stores: each runs the suite of every capability it implements.
 
 mod common;
@@ -14,7 +14,11 @@ mod sqlite {
     }
 
     // SQLite has no `ReserveInTransaction`: its one writer queues whole transactions.
-    idempotency::store_conformance!(fresh, [protocol, journal, completion_signal], single_writer);
+    idempotency::store::testing::store_conformance!(
+        fresh,
+        [protocol, journal, completion_signal],
+        single_writer
+    );
 }
 
 mod postgres {
@@ -24,7 +28,7 @@ mod postgres {
         <PgStore as Harness>::open().await
     }
 
-    idempotency::store_conformance!(
+    idempotency::store::testing::store_conformance!(
         fresh,
         [protocol, journal, reserve_in_transaction, completion_signal]
     );
@@ -37,7 +41,7 @@ mod mysql {
         <MySqlStore as Harness>::open().await
     }
 
-    idempotency::store_conformance!(
+    idempotency::store::testing::store_conformance!(
         fresh,
         [protocol, journal, reserve_in_transaction, completion_signal]
     );

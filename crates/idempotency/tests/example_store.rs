@@ -15,4 +15,8 @@ async fn fresh() -> Option<MinimalStore> {
 }
 
 // One writer connection: an open business transaction holds every other write back.
-idempotency::store_conformance!(fresh, [protocol, journal, completion_signal], single_writer);
+idempotency::store::testing::store_conformance!(
+    fresh,
+    [protocol, journal, completion_signal],
+    single_writer
+);

@@ -5,8 +5,8 @@
 //! is a real SIGKILL.
 
 use idempotency::{
-    Attempt, Error, Fingerprint, Idempotency, IdempotencyKey, MySqlStore, PgStore, Reservation,
-    SqliteStore, Store,
+    protocol::Reservation, Attempt, Error, Fingerprint, Idempotency, IdempotencyKey, MySqlStore,
+    PgStore, SqliteStore, Store,
 };
 use std::time::{Duration, Instant};
 use test_support::TestDatabase;

@@ -1,4 +1,4 @@
-//! The queue's inbox (`idempotency::Inbox`) on PostgreSQL, SQLite and MySQL/MariaDB: the same
+//! The queue's inbox (`idempotency::queue::Inbox`) on PostgreSQL, SQLite and MySQL/MariaDB: the same
 //! message delivered to many consumers at once takes effect once, another payload under a used id
 //! is dead-lettered and never applied, failures release the key and are counted, and a poison
 //! message ends in the dead-letter queue.
@@ -8,8 +8,10 @@ mod common;
 use common::{unique, Harness};
 use futures_util::future::join_all;
 use idempotency::{
-    Attempt, CallError, DeadLetter, DeliveryAction, FailureKind, Finished, Idempotency, Inbox,
-    KeyState, Operation, StepError, Steps,
+    durable::{CallError, Finished, Operation, StepError, Steps},
+    queue::{DeadLetter, DeliveryAction, FailureKind, Inbox},
+    store::KeyState,
+    Attempt, Idempotency,
 };
 use serde::{Deserialize, Serialize};
 use serde_json::json;

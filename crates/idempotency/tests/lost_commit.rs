@@ -5,7 +5,7 @@
 mod common;
 
 use common::{attempt, purchase, unique, Harness};
-use idempotency::{Error, Idempotency, KeyState, MySqlStore, Outcome, PgStore};
+use idempotency::{store::KeyState, Error, Idempotency, MySqlStore, Outcome, PgStore};
 use serde_json::json;
 use std::net::SocketAddr;
 use test_support::proxy::{FaultProxy, Protocol};

@@ -4,7 +4,8 @@
 #![cfg(feature = "mysql")]
 
 use idempotency::{
-    Effects, Fingerprint, IdempotencyKey, Insertion, LeaseToken, MySqlStore, PendingRow, Store,
+    store::{Insertion, LeaseToken, PendingRow},
+    Effects, Fingerprint, IdempotencyKey, MySqlStore, Store,
 };
 use std::time::Duration;
 

@@ -38,16 +38,16 @@ async fn store_with_default_isolation(level: &str) -> Option<PgStore> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn race_under_serializable_default() {
     if let Some(store) = store_with_default_isolation("serializable").await {
-        idempotency::testing::prepare(&store).await;
-        idempotency::testing::race(store, 200, 8).await;
+        idempotency::store::testing::prepare(&store).await;
+        idempotency::store::testing::race(store, 200, 8).await;
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn race_under_repeatable_read_default() {
     if let Some(store) = store_with_default_isolation("repeatable read").await {
-        idempotency::testing::prepare(&store).await;
-        idempotency::testing::race(store, 200, 8).await;
+        idempotency::store::testing::prepare(&store).await;
+        idempotency::store::testing::race(store, 200, 8).await;
     }
 }
 

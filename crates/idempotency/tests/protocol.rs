@@ -1,11 +1,11 @@
 //! The protocol's behaviour that needs this repository's harness (a store's pool starved), on
 //! every backend (see `test_support::backend_tests!`). The rest of the protocol's scenarios are
-//! the published conformance suite (`idempotency::testing::protocol`), run by `conformance.rs`.
+//! the published conformance suite (`idempotency::store::testing::protocol`), run by `conformance.rs`.
 
 mod common;
 
 use common::{attempt, purchase, unique, Harness};
-use idempotency::{Error, Idempotency, Outcome, Reservation};
+use idempotency::{protocol::Reservation, Error, Idempotency, Outcome};
 use serde_json::json;
 use std::time::Duration;
 

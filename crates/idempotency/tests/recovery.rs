@@ -4,8 +4,11 @@ mod common;
 
 use common::{attempt, purchase, unique, wait_until, Harness};
 use idempotency::{
-    resolve, Attempt, Effects, Error, Idempotency, KeyRecord, KeyState, Maintenance, Outcome,
-    ProviderAnswer, Recovery, Reservation, Resolution, ResolveError, Resolver,
+    durable::{ProviderAnswer, Resolver},
+    maintenance::{resolve, Recovery, Resolution, ResolveError},
+    protocol::Reservation,
+    store::{KeyRecord, KeyState, Maintenance},
+    Attempt, Effects, Error, Idempotency, Outcome,
 };
 use serde_json::json;
 use std::{
@@ -331,7 +334,7 @@ async fn racing_recovery_workers_never_double_act<S: Harness + Maintenance>(stor
                 })
             })
             .collect();
-        let mut total = idempotency::RecoveryReport::default();
+        let mut total = idempotency::maintenance::RecoveryReport::default();
         for worker in workers {
             total.add(&worker.await.unwrap());
         }
@@ -531,7 +534,7 @@ async fn recovery_loop_stops_on_shutdown<S: Harness + Maintenance>(store: S) {
 }
 
 async fn list_and_stats_see_the_table<S: Harness + Maintenance>(store: S) {
-    use idempotency::KeyFilter;
+    use idempotency::maintenance::KeyFilter;
     let trial = unique("list");
     let idem = Idempotency::new(store.clone());
     purchase(

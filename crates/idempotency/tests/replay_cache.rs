@@ -6,7 +6,7 @@
 mod common;
 
 use common::{attempt, purchase, unique, Harness};
-use idempotency::{Error, Idempotency, Outcome, Reservation};
+use idempotency::{protocol::Reservation, Error, Idempotency, Outcome};
 use serde_json::json;
 use std::time::Duration;
 

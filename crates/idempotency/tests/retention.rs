@@ -5,7 +5,9 @@ mod common;
 
 use common::{attempt, purchase, unique, Harness};
 use idempotency::{
-    Idempotency, KeyState, Maintenance, MySqlStore, Outcome, PgStore, Purge, SqliteStore,
+    maintenance::Purge,
+    store::{KeyState, Maintenance},
+    Idempotency, MySqlStore, Outcome, PgStore, SqliteStore,
 };
 use serde_json::json;
 use std::{

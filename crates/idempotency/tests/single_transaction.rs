@@ -1,14 +1,15 @@
 //! The single-transaction mode (`Idempotency::with_single_transaction`) on PostgreSQL and
 //! MariaDB, where it needs this repository's harness: a SIGKILLed holder leaves no key, and the
 //! wait is set for the reserving statement only. The mode's other scenarios are the published
-//! conformance suite (`idempotency::testing::reserve_in_transaction`), run by `conformance.rs`.
+//! conformance suite (`idempotency::store::testing::reserve_in_transaction`), run by `conformance.rs`.
 
 mod common;
 
 use common::{attempt, unique, Harness};
 use idempotency::{
-    Begun, Idempotency, MySqlStore, Outcome, PgStore, Reservation, ReserveInTransaction,
-    SqliteStore, Store,
+    protocol::{Begun, Reservation},
+    store::ReserveInTransaction,
+    Idempotency, MySqlStore, Outcome, PgStore, SqliteStore, Store,
 };
 use serde_json::json;
 use std::time::{Duration, Instant};
@@ -48,7 +49,7 @@ async fn sqlite_reserves_on_its_own_commit() {
         const OFFERED: bool = false;
     }
     impl<S> Offered for Probe<S> {}
-    impl<S: idempotency::ReserveInTransaction> Probe<S> {
+    impl<S: idempotency::store::ReserveInTransaction> Probe<S> {
         #[allow(dead_code)]
         const OFFERED: bool = true;
     }

@@ -5,7 +5,8 @@
 //! pool the application opened at `NORMAL` is left alone.
 
 use idempotency::{
-    Effects, Fingerprint, IdempotencyKey, LeaseToken, PendingRow, SqliteStore, Store,
+    store::{LeaseToken, PendingRow},
+    Effects, Fingerprint, IdempotencyKey, SqliteStore, Store,
 };
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqliteSynchronous};
 use std::{str::FromStr, time::Duration};

@@ -5,8 +5,8 @@
 //! completes. The shop's files on a tmpfs that really fills up: `faults --only disk-full`.
 
 use idempotency::{
-    is_unavailable_error, Attempt, Error, Fingerprint, Idempotency, IdempotencyKey, Reservation,
-    SqliteStore, Store,
+    protocol::Reservation, store::is_unavailable_error, Attempt, Error, Fingerprint, Idempotency,
+    IdempotencyKey, SqliteStore, Store,
 };
 use sqlx::{sqlite::SqliteTransactionManager, TransactionManager};
 

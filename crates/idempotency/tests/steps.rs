@@ -12,10 +12,14 @@ mod common;
 
 use common::{unique, wait_until, Harness};
 use idempotency::{
-    canonical_json, provider_key, CallError, Error, Finished, Idempotency, IdempotencyKey,
-    KeyRecord, KeyState, Lookup, Maintenance, MaintenanceWorker, Operation, Operations, Outcome,
-    PerformError, Recovery, RecoveryReport, StepError, StepPolicy, Steps, Store,
-    MAX_STORED_REQUEST,
+    durable::{
+        provider_key, CallError, Finished, Lookup, Operation, Operations, PerformError, StepError,
+        StepPolicy, Steps, MAX_STORED_REQUEST,
+    },
+    maintenance::{MaintenanceWorker, Recovery, RecoveryReport},
+    protocol::canonical_json,
+    store::{KeyRecord, KeyState, Maintenance},
+    Error, Idempotency, IdempotencyKey, Outcome, Store,
 };
 use serde::{Deserialize, Serialize};
 use std::{

@@ -4,7 +4,7 @@ use crate::{
     router::router,
     state::{App, Config},
 };
-use idempotency::WorkerHandle;
+use idempotency::maintenance::WorkerHandle;
 use std::net::SocketAddr;
 
 /// A running service (in this process).

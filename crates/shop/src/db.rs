@@ -7,7 +7,10 @@
 //! dispatches on the backend.
 
 use anyhow::{bail, Context};
-use idempotency::{CompletionSignal, Journal, MySqlStore, PgStore, SqliteStore, Store};
+use idempotency::{
+    store::{CompletionSignal, Journal},
+    MySqlStore, PgStore, SqliteStore, Store,
+};
 use sqlx::{
     mysql::{MySqlPoolOptions, MySqlRow},
     postgres::PgPoolOptions,

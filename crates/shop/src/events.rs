@@ -13,7 +13,7 @@ use crate::{
     providers::MailProvider,
     purchase::call_error,
 };
-use idempotency::{Finished, Operation, StepError, Steps};
+use idempotency::durable::{Finished, Operation, StepError, Steps};
 use serde_json::{json, Value};
 
 /// What a purchase event sets off: the points, then the receipt.

@@ -65,10 +65,10 @@ pub trait ShopProblem: Sized {
     }
 
     /// 500 for a database failure, 503 when the database cannot be reached or has no room to
-    /// write (`idempotency::is_unavailable_error`; details are logged, not shown).
+    /// write (`idempotency::store::is_unavailable_error`; details are logged, not shown).
     fn database(error: &sqlx::Error) -> Self {
         tracing::error!(%error, "database error");
-        let status = if idempotency::is_unavailable_error(error) {
+        let status = if idempotency::store::is_unavailable_error(error) {
             StatusCode::SERVICE_UNAVAILABLE
         } else {
             StatusCode::INTERNAL_SERVER_ERROR

@@ -20,7 +20,7 @@ use crate::{
     purchase::{Purchase, PURCHASE},
 };
 use axum::http::Method;
-use idempotency::{Effects, Idempotency, Operations, Store};
+use idempotency::{durable::Operations, Effects, Idempotency, Store};
 use idempotency_http::{Disposition, DurableRoute, IdempotencyLayer, UnregisteredOperation};
 
 /// A keyed route that runs in the business transaction: the operation name that scopes its keys,
@@ -55,7 +55,7 @@ pub fn layer<S: Store>(engine: Idempotency<S>, route: KeyedRoute) -> Idempotency
 /// refuses to build (a purchase reserved there could never be resumed after a crash).
 ///
 /// ```no_run
-/// # async fn demo(store: idempotency::SqliteStore, operations: idempotency::Operations<idempotency::SqliteStore>) {
+/// # async fn demo(store: idempotency::SqliteStore, operations: idempotency::durable::Operations<idempotency::SqliteStore>) {
 /// let route = shop::protect::purchase_route(idempotency::Idempotency::new(store), &operations).unwrap();
 /// # }
 /// ```

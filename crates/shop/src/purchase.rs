@@ -5,7 +5,7 @@
 //! 1. **order** (local): create the user if new, debit the balance (a conditional UPDATE) and
 //!    insert the order in `pending_payment`. A balance too low is a definitive 402, stored.
 //! 2. **charge** (outside): charge the payment provider with a key derived from ours
-//!    ([`idempotency::provider_key`]). A lost answer is settled by asking the provider with
+//!    ([`idempotency::durable::provider_key`]). A lost answer is settled by asking the provider with
 //!    the same key ([`PaymentProvider::lookup`]).
 //! 3. **finish** (local): mark the order `paid` (guarded: only from `pending_payment`), record the
 //!    purchase, and complete the key with the 201 response, in one transaction.
@@ -22,7 +22,7 @@ use crate::{
     providers::{Charge, PaymentProvider, ProviderError},
 };
 use axum::http::StatusCode;
-use idempotency::{CallError, Finished, Lookup, Operation, StepError, Steps};
+use idempotency::durable::{CallError, Finished, Lookup, Operation, StepError, Steps};
 use idempotency_http::StoredResponse;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};

@@ -20,7 +20,7 @@ use axum::{
     routing::{get, post, MethodRouter},
     Router,
 };
-use idempotency::{CompletionSignal, Idempotency};
+use idempotency::{store::CompletionSignal, Idempotency};
 use idempotency_http::IdempotencyLayer;
 use tower_http::catch_panic::CatchPanicLayer;
 

@@ -26,7 +26,10 @@ use axum::{
     response::{IntoResponse, Response},
     Extension, Json,
 };
-use idempotency::{Finished, Idempotency, IdempotencyKey, PerformError};
+use idempotency::{
+    durable::{Finished, PerformError},
+    Idempotency, IdempotencyKey,
+};
 use idempotency_http::{KeyLease, StoredResponse};
 use serde::Deserialize;
 use serde_json::{json, Value};

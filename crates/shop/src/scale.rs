@@ -8,7 +8,7 @@ use crate::{
     client::Client,
 };
 use anyhow::Context;
-use idempotency::{PgStore, Purge};
+use idempotency::{maintenance::Purge, PgStore};
 use sqlx::{postgres::PgConnectOptions, ConnectOptions, Connection, PgConnection};
 use std::{
     str::FromStr,

@@ -7,8 +7,10 @@ use crate::{
     purchase::Purchase,
 };
 use idempotency::{
-    Idempotency, Maintenance, MaintenanceWorker, MySqlStore, Operations, PgStore, SqliteStore,
-    WorkerHandle,
+    durable::Operations,
+    maintenance::{MaintenanceWorker, WorkerHandle},
+    store::Maintenance,
+    Idempotency, MySqlStore, PgStore, SqliteStore,
 };
 use std::{sync::Arc, time::Duration};
 

@@ -34,7 +34,7 @@ use crate::{
 };
 use anyhow::{bail, Context};
 use futures_util::future::join_all;
-use idempotency::{provider_key, IdempotencyKey};
+use idempotency::{durable::provider_key, IdempotencyKey};
 use idempotency_http::StoredResponse;
 use indicatif::{ProgressBar, ProgressStyle};
 use rand::Rng;

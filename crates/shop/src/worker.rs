@@ -14,7 +14,10 @@ use crate::{
     state::{App, Config, Engine},
 };
 use anyhow::Context;
-use idempotency::{DeadLetter, DeliveryAction, Idempotency, Inbox};
+use idempotency::{
+    queue::{DeadLetter, DeliveryAction, Inbox},
+    Idempotency,
+};
 use idempotency_amqp::{AmqpConsumer, Incoming, Topology};
 use lapin::{Connection, ConnectionProperties};
 use std::{sync::Arc, time::Duration};

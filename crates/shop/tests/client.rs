@@ -4,7 +4,7 @@
 
 mod common;
 
-use idempotency::{provider_key, IdempotencyKey};
+use idempotency::{durable::provider_key, IdempotencyKey};
 use idempotency_client::{IdempotencyMiddleware, Outcome, Probe, RequestKey, RetryPolicy};
 use serde_json::{json, Value};
 use shop::{db::sql, purchase::START_BALANCE_CENTS};

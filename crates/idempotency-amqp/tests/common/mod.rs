@@ -52,7 +52,7 @@ pub fn unique(prefix: &str) -> String {
 }
 
 /// A store on a fresh database with the business table `applied (message_id, body)`.
-pub trait TestStore: Store + idempotency::CompletionSignal + Sized {
+pub trait TestStore: Store + idempotency::store::CompletionSignal + Sized {
     /// The backend's name, for messages.
     const NAME: &'static str;
 

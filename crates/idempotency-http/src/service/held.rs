@@ -6,7 +6,7 @@ use crate::{
     lease::LeaseSlot,
     metrics::{self, count},
 };
-use idempotency::{Attempt, Disposition, Effects, Lease, Reservation, Store};
+use idempotency::{protocol::Reservation, Attempt, Disposition, Effects, Lease, Store};
 
 /// The lease while the handler runs, in the slot a [`KeyLease`](crate::KeyLease) extractor takes
 /// it from. Dropped while still held (the client went away and the server cancelled the

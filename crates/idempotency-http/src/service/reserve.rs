@@ -3,7 +3,10 @@
 
 use super::Layered;
 use crate::in_flight;
-use idempotency::{Attempt, Begun, Idempotency, Reservation, Store};
+use idempotency::{
+    protocol::{Begun, Reservation},
+    Attempt, Idempotency, Store,
+};
 
 /// The key reserved, and the business transaction when the reservation was written inside it.
 pub(super) type Reserved<S> = (

@@ -23,7 +23,7 @@ use axum::body::Body;
 use bytes::Bytes;
 use futures_util::FutureExt;
 use http::{request::Parts, Request, Response};
-use idempotency::{Attempt, Disposition, IdempotencyKey, Lease, Reservation, Store};
+use idempotency::{protocol::Reservation, Attempt, Disposition, IdempotencyKey, Lease, Store};
 use std::panic::AssertUnwindSafe;
 
 /// After the reservation: run the handler for an acquired key, replay a completed one, refuse

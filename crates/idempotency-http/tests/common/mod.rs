@@ -10,7 +10,9 @@ use axum::{
     Extension, Json, Router,
 };
 use futures_util::future::BoxFuture;
-use idempotency::{Idempotency, MySqlStore, PgStore, ReserveInTransaction, SqliteStore, Store};
+use idempotency::{
+    store::ReserveInTransaction, Idempotency, MySqlStore, PgStore, SqliteStore, Store,
+};
 use idempotency_http::{
     default_disposition, Disposition, IdempotencyLayer, IdempotentTx, KeyRequirement,
 };

@@ -8,7 +8,7 @@ use std::{future::Future, time::Duration};
 /// "any".
 ///
 /// ```
-/// use idempotency::{KeyFilter, KeyState};
+/// use idempotency::{maintenance::KeyFilter, store::KeyState};
 /// use std::time::Duration;
 /// let filter = KeyFilter::default()
 ///     .with_state(KeyState::NeedsReview)
@@ -102,7 +102,7 @@ impl Default for KeyFilter {
 /// An operator's decision about a parked (`needs_review`) key.
 ///
 /// ```
-/// use idempotency::Resolution;
+/// use idempotency::maintenance::Resolution;
 /// let done = Resolution::Completed(br#"{"order":7}"#.to_vec());
 /// assert_eq!(done.state().as_str(), "completed");
 /// assert_eq!(Resolution::Failed.state().as_str(), "failed");
@@ -130,7 +130,7 @@ impl Resolution {
 /// How many rows one operation has in one state.
 ///
 /// ```
-/// use idempotency::{KeyState, StateCount};
+/// use idempotency::{maintenance::StateCount, store::KeyState};
 /// let count = StateCount { operation: "purchase".into(), state: KeyState::Pending, count: 3 };
 /// assert_eq!(count.count, 3);
 /// ```
@@ -147,7 +147,7 @@ pub struct StateCount {
 /// A snapshot of the key table, for `idem stats` and monitoring.
 ///
 /// ```
-/// use idempotency::KeyStats;
+/// use idempotency::maintenance::KeyStats;
 /// let stats = KeyStats::default();
 /// assert_eq!(stats.total(), 0);
 /// assert!(stats.oldest_pending_age.is_none());
@@ -193,7 +193,7 @@ impl KeyStats {
 /// ```no_run
 /// # #[cfg(feature = "postgres")]
 /// # async fn demo(store: idempotency::PgStore) -> Result<(), idempotency::StoreError> {
-/// use idempotency::{LeaseToken, Maintenance, Store};
+/// use idempotency::{Store, store::{LeaseToken, Maintenance}};
 /// use std::time::Duration;
 /// for stale in store.expired_leases(10).await? {
 ///     let mine = LeaseToken::new();
@@ -215,7 +215,7 @@ impl KeyStats {
 /// ```no_run
 /// # #[cfg(feature = "sqlite")]
 /// # async fn demo() -> Result<(), idempotency::StoreError> {
-/// use idempotency::{SqliteStore, Maintenance, Store};
+/// use idempotency::{SqliteStore, Store, store::Maintenance};
 /// let store = SqliteStore::connect("sqlite://keys.db?mode=rwc").await?;
 /// store.migrate().await?;
 /// for record in store.expired_leases(100).await? {

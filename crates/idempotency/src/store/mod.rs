@@ -4,7 +4,7 @@
 //! that changes a row is *conditional*: it names the lease token it expects, so a stale worker, a
 //! recovery job and a retry can never both act on one key.
 
-mod maintenance;
+pub(crate) mod maintenance;
 #[cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql"))]
 mod migration;
 #[cfg(feature = "mysql")]
@@ -19,7 +19,12 @@ mod row;
 #[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
 pub(crate) mod sqlite;
 
-pub use maintenance::{KeyFilter, KeyStats, Maintenance, Resolution, StateCount};
+pub use crate::error::is_unavailable_error;
+pub use maintenance::Maintenance;
+pub(crate) use maintenance::{KeyFilter, KeyStats, Resolution, StateCount};
+#[cfg(feature = "testing")]
+#[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
+pub mod testing;
 
 use crate::{error::StoreError, Fingerprint, IdempotencyKey};
 use chrono::{DateTime, Utc};
@@ -30,7 +35,7 @@ use uuid::Uuid;
 /// (parked for a human) → `completed` / `failed`.
 ///
 /// ```
-/// use idempotency::KeyState;
+/// use idempotency::store::KeyState;
 /// assert_eq!("needs_review".parse::<KeyState>().unwrap(), KeyState::NeedsReview);
 /// assert_eq!(KeyState::Completed.as_str(), "completed");
 /// ```
@@ -133,7 +138,7 @@ impl FromStr for Effects {
 /// it (fencing), so a worker whose lease was taken over cannot complete.
 ///
 /// ```
-/// use idempotency::LeaseToken;
+/// use idempotency::store::LeaseToken;
 /// assert_ne!(LeaseToken::new(), LeaseToken::new());
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -193,7 +198,7 @@ pub struct KeyRecord {
     pub lease_until: DateTime<Utc>,
     /// When the row may be purged.
     pub expires_at: DateTime<Utc>,
-    /// The last recovery point a durable operation reached (see [`Steps`](crate::Steps)).
+    /// The last recovery point a durable operation reached (see [`Steps`](crate::durable::Steps)).
     pub recovery_point: Option<String>,
     /// The stored request of a durable operation (canonical JSON), kept while it is unsettled so
     /// that it can be resumed without the client; cleared at completion.
@@ -222,7 +227,7 @@ impl KeyRecord {
 /// and (with the first write) the request. See [`Journal::save_progress`].
 ///
 /// ```
-/// use idempotency::Progress;
+/// use idempotency::store::Progress;
 /// let progress = Progress { recovery_point: "debited", journal: br#"{"done":{}}"#, request: None };
 /// assert_eq!(progress.recovery_point, "debited");
 /// ```
@@ -346,7 +351,7 @@ pub enum Insertion {
 /// [`Idempotency::with_single_transaction`](crate::Idempotency::with_single_transaction)).
 ///
 /// ```
-/// use idempotency::ReservedIn;
+/// use idempotency::store::ReservedIn;
 /// // Only `Inserted` lets the work run in the transaction; the others roll it back.
 /// assert_ne!(ReservedIn::Busy, ReservedIn::Inserted);
 /// ```
@@ -370,7 +375,7 @@ pub enum ReservedIn {
 /// of the server; and every update conditional on the lease token. See
 /// `PgStore`, `SqliteStore` and `MySqlStore`,
 /// and the guide `docs/implementing-a-store.md` in the repository (the rules every method
-/// follows, and the conformance suite that proves a new store: `idempotency::testing`, feature
+/// follows, and the conformance suite that proves a new store: `idempotency::store::testing`, feature
 /// `testing`).
 ///
 /// Features beyond the article's protocol are capabilities of their own, which a store
@@ -481,19 +486,19 @@ pub trait Store: Clone + Send + Sync + 'static {
     ) -> impl Future<Output = Result<bool, StoreError>> + Send;
 }
 
-/// Capability of durable operations ([`Steps`](crate::Steps)) and of the recovery job
-/// ([`Recovery`](crate::Recovery)): a journal of the steps done, written in each step's
+/// Capability of durable operations ([`Steps`](crate::durable::Steps)) and of the recovery job
+/// ([`Recovery`](crate::maintenance::Recovery)): a journal of the steps done, written in each step's
 /// transaction, and a count of the outside outcomes found unknown.
 ///
 /// A store without it runs every protocol of [`Idempotency`](crate::Idempotency) but
-/// [`perform`](crate::Idempotency::perform), [`Steps`](crate::Steps) and [`Recovery`](crate::Recovery).
+/// [`perform`](crate::Idempotency::perform), [`Steps`](crate::durable::Steps) and [`Recovery`](crate::maintenance::Recovery).
 /// The conformance suite's `journal` scenarios prove an implementation
-/// (`idempotency::testing`, feature `testing`).
+/// (`idempotency::store::testing`, feature `testing`).
 ///
 /// ```no_run
 /// # #[cfg(feature = "sqlite")]
-/// # async fn demo(store: idempotency::SqliteStore, key: idempotency::IdempotencyKey, token: idempotency::LeaseToken) -> Result<(), idempotency::StoreError> {
-/// use idempotency::Journal;
+/// # async fn demo(store: idempotency::SqliteStore, key: idempotency::IdempotencyKey, token: idempotency::store::LeaseToken) -> Result<(), idempotency::StoreError> {
+/// use idempotency::store::Journal;
 /// use std::time::Duration;
 /// // The provider did not say whether the charge happened: look again in a second.
 /// store.note_unknown(&key, token, Duration::from_secs(1)).await?;
@@ -531,8 +536,8 @@ pub trait Journal: Store {
 ///
 /// ```no_run
 /// # #[cfg(feature = "postgres")]
-/// # async fn demo(store: idempotency::PgStore, row: idempotency::PendingRow<'_>) -> Result<(), idempotency::StoreError> {
-/// use idempotency::{ReserveInTransaction, ReservedIn, Store};
+/// # async fn demo(store: idempotency::PgStore, row: idempotency::store::PendingRow<'_>) -> Result<(), idempotency::StoreError> {
+/// use idempotency::{Store, store::{ReserveInTransaction, ReservedIn}};
 /// use std::time::Duration;
 /// let mut tx = store.begin().await?;
 /// if store.reserve_in(&mut tx, &row, Duration::from_secs(5)).await? == ReservedIn::Inserted {
@@ -554,7 +559,7 @@ pub trait ReserveInTransaction: Store {
     ) -> impl Future<Output = Result<ReservedIn, StoreError>> + Send;
 }
 
-/// Capability of waiting for a duplicate's original ([`Consumer`](crate::Consumer)'s in-progress
+/// Capability of waiting for a duplicate's original ([`Consumer`](crate::queue::Inbox)'s in-progress
 /// wait, the HTTP layer's wait for a request in flight): how a waiter learns that a pending key
 /// stopped being pending.
 ///
@@ -565,7 +570,7 @@ pub trait ReserveInTransaction: Store {
 /// ```
 /// # #[cfg(feature = "sqlite")]
 /// # fn demo() {
-/// use idempotency::{CompletionSignal, SqliteStore};
+/// use idempotency::{SqliteStore, store::CompletionSignal};
 /// fn waits<S: CompletionSignal>() {}
 /// waits::<SqliteStore>();
 /// # }
@@ -582,14 +587,14 @@ pub trait CompletionSignal: Store {
     /// pending when `timeout` runs out. It only reads.
     ///
     /// The provided implementation polls [`find`](Store::find): after 1 ms, then each pause
-    /// doubling up to 25 ms ([`POLL_FIRST`], [`POLL_MAX`]), and never past the lease's end or
+    /// doubling up to 25 ms, and never past the lease's end or
     /// the timeout. The PostgreSQL store overrides it with `LISTEN`, woken by the `NOTIFY` of
     /// [`notify_settled`](CompletionSignal::notify_settled), keeping a slower poll as a safety net.
     ///
     /// ```no_run
     /// # #[cfg(feature = "sqlite")]
     /// # async fn demo(key: idempotency::IdempotencyKey, fingerprint: idempotency::Fingerprint) -> Result<(), idempotency::StoreError> {
-    /// use idempotency::{SqliteStore, Awaited, CompletionSignal};
+    /// use idempotency::{SqliteStore, store::{Awaited, CompletionSignal}};
     /// use std::time::Duration;
     /// let store = SqliteStore::connect("sqlite://keys.db?mode=rwc").await?;
     /// match store.wait_for_completion(&key, &fingerprint, Duration::from_secs(2)).await? {
@@ -617,7 +622,7 @@ pub trait CompletionSignal: Store {
     /// ```no_run
     /// # #[cfg(feature = "postgres")]
     /// # async fn demo(store: idempotency::PgStore, key: idempotency::IdempotencyKey) -> Result<(), idempotency::StoreError> {
-    /// use idempotency::CompletionSignal;
+    /// use idempotency::store::CompletionSignal;
     /// store.notify_settled(&key).await?;
     /// # Ok(()) }
     /// ```
@@ -631,15 +636,15 @@ pub trait CompletionSignal: Store {
 }
 
 /// The first pause of the polling [`CompletionSignal::wait_for_completion`].
-pub const POLL_FIRST: Duration = Duration::from_millis(1);
+pub(crate) const POLL_FIRST: Duration = Duration::from_millis(1);
 
 /// The longest pause of the polling [`CompletionSignal::wait_for_completion`].
-pub const POLL_MAX: Duration = Duration::from_millis(25);
+pub(crate) const POLL_MAX: Duration = Duration::from_millis(25);
 
 /// What [`CompletionSignal::wait_for_completion`] saw.
 ///
 /// ```
-/// use idempotency::Awaited;
+/// use idempotency::store::Awaited;
 /// assert_ne!(Awaited::Completed(b"{}".to_vec()), Awaited::TimedOut);
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -511,7 +511,7 @@ impl super::CompletionSignal for PgStore {
         self.completions.wait(self, key, fingerprint, timeout).await
     }
 
-    /// `NOTIFY` on [`COMPLETION_CHANNEL`] with the key's [`completion_payload`], in a
+    /// `NOTIFY` on the store's channel with a short hash of the key as payload, in a
     /// transaction of its own committed without waiting for its WAL flush
     /// (`synchronous_commit = off`; a notification need not survive a crash, and waiters poll
     /// anyway).
@@ -732,12 +732,12 @@ impl super::Maintenance for PgStore {
 /// The channel [`CompletionSignal::notify_settled`](super::CompletionSignal::notify_settled) notifies on (after the commit that completed a key, or
 /// its release), and the store's waiters listen on. The payload is [`completion_payload`] of the
 /// key.
-pub const COMPLETION_CHANNEL: &str = "idempotency_completed";
+pub(crate) const COMPLETION_CHANNEL: &str = "idempotency_completed";
 
 /// How often a waiter reads the key while the listener runs, as a safety net: a completion by a
 /// process that does not notify (the recovery job, an operator's resolution, a crash between the
 /// commit and the notification) sends none, and one sent while the listener reconnected is lost.
-pub const NOTIFIED_POLL: Duration = Duration::from_millis(100);
+pub(crate) const NOTIFIED_POLL: Duration = Duration::from_millis(100);
 
 /// The payload notified when `key` completes: 32 hex digits of the SHA-256 of its three parts
 /// (length-prefixed), short and free of the key's own characters. Two keys sharing a payload only
@@ -749,9 +749,9 @@ pub const NOTIFIED_POLL: Duration = Duration::from_millis(100);
 /// let b = IdempotencyKey::new("alice", "purchase", "k-2")?;
 /// assert_eq!(completion_payload(&a).len(), 32);
 /// assert_ne!(completion_payload(&a), completion_payload(&b));
-/// # Ok::<(), idempotency::InvalidKey>(())
+/// # Ok::<(), idempotency::key::InvalidKey>(())
 /// ```
-pub fn completion_payload(key: &IdempotencyKey) -> String {
+pub(crate) fn completion_payload(key: &IdempotencyKey) -> String {
     use sha2::{Digest, Sha256};
     let mut hash = Sha256::new();
     for part in [key.scope(), key.operation(), key.key()] {
@@ -973,5 +973,30 @@ async fn listen(
                 return;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{completion_payload, PgStore, COMPLETION_CHANNEL};
+    use crate::{store::CompletionSignal, IdempotencyKey};
+    use std::time::Duration;
+
+    /// `notify_settled` reaches a `LISTEN`er on the store's channel with the key's payload.
+    #[tokio::test]
+    async fn notify_settled_reaches_a_listener() {
+        let Some(url) = test_support::fresh_postgres_url().await else {
+            return;
+        };
+        let store = PgStore::connect(&url).await.unwrap();
+        let mut listener = sqlx::postgres::PgListener::connect(&url).await.unwrap();
+        listener.listen(COMPLETION_CHANNEL).await.unwrap();
+        let key = IdempotencyKey::new("alice", "pay", "k-1").unwrap();
+        store.notify_settled(&key).await.unwrap();
+        let notification = tokio::time::timeout(Duration::from_secs(5), listener.recv())
+            .await
+            .expect("a notification")
+            .unwrap();
+        assert_eq!(notification.payload(), completion_payload(&key));
     }
 }

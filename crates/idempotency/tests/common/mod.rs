@@ -10,7 +10,9 @@ use sqlx::Transaction;
 use std::{any::Any, time::Duration};
 
 /// A store on a fresh database, with a business table to count effects in.
-pub trait Harness: Store + idempotency::Journal + idempotency::CompletionSignal + Sized {
+pub trait Harness:
+    Store + idempotency::store::Journal + idempotency::store::CompletionSignal + Sized
+{
     /// Backend name for messages.
     const NAME: &'static str;
 

@@ -5,7 +5,9 @@
 
 use super::{attempt, count_effects, insert_effect, store_name, unique, BusinessTable, Profile};
 use crate::{
-    Begun, Disposition, Effects, Error, Idempotency, KeyState, Outcome, ReserveInTransaction,
+    protocol::Begun,
+    store::{KeyState, ReserveInTransaction},
+    Disposition, Effects, Error, Idempotency, Outcome,
 };
 use serde_json::json;
 use std::{

@@ -1,15 +1,15 @@
 //! The conformance suite every store must pass, published for stores written outside this
 //! crate (feature `testing`).
 //!
-//! [`store_conformance!`](crate::store_conformance) turns each scenario of the suites a store
+//! [`store_conformance!`] turns each scenario of the suites a store
 //! asks for into a `#[tokio::test]` of its own. A suite per capability:
 //!
 //! | suite | the store implements | what it proves |
 //! |---|---|---|
 //! | `protocol` | [`Store`] | the article's protocol through [`Idempotency`]: replays, reused keys, releases after failures, panics and cancellations, takeover and fencing, the heartbeat, the replay read, racing duplicates executing once |
-//! | `journal` | [`Journal`](crate::Journal) | the statements of durable steps and recovery, fenced by the lease token |
-//! | `reserve_in_transaction` | [`ReserveInTransaction`](crate::ReserveInTransaction) | the single-transaction mode |
-//! | `completion_signal` | [`CompletionSignal`](crate::CompletionSignal) | waiting for a pending key to settle |
+//! | `journal` | [`Journal`](crate::store::Journal) | the statements of durable steps and recovery, fenced by the lease token |
+//! | `reserve_in_transaction` | [`ReserveInTransaction`](crate::store::ReserveInTransaction) | the single-transaction mode |
+//! | `completion_signal` | [`CompletionSignal`](crate::store::CompletionSignal) | waiting for a pending key to settle |
 //!
 //! A scenario gets a fresh, migrated store from the function the macro is given (an `async fn`
 //! returning `Option<S>`; `None` skips the test, e.g. when no database server is configured),
@@ -30,7 +30,7 @@
 //! }
 //!
 //! // SQLite's one writer queues transactions: a stalled transaction blocks the retry.
-//! idempotency::store_conformance!(fresh_store, [protocol, journal, completion_signal], single_writer);
+//! idempotency::store::testing::store_conformance!(fresh_store, [protocol, journal, completion_signal], single_writer);
 //! # }
 //! ```
 
@@ -52,7 +52,7 @@ use std::{future::Future, sync::Arc, time::Duration};
 /// What a scenario may expect of the store beyond its traits, where correct stores differ.
 ///
 /// ```
-/// use idempotency::testing::Profile;
+/// use idempotency::store::testing::Profile;
 /// assert!(!Profile::default().single_writer);
 /// assert!(Profile::single_writer().single_writer);
 /// ```
@@ -80,7 +80,7 @@ impl Profile {
 /// ```
 /// # #[cfg(feature = "sqlite")]
 /// # fn demo() {
-/// fn has_a_table<DB: idempotency::testing::BusinessTable>() {}
+/// fn has_a_table<DB: idempotency::store::testing::BusinessTable>() {}
 /// has_a_table::<sqlx::Sqlite>();
 /// # }
 /// ```
@@ -177,7 +177,7 @@ fn literal(trial: &str) -> &str {
 /// # #[cfg(feature = "sqlite")]
 /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
 /// let store = idempotency::SqliteStore::connect("sqlite::memory:").await?;
-/// idempotency::testing::prepare(&store).await;
+/// idempotency::store::testing::prepare(&store).await;
 /// # Ok(()) }
 /// ```
 pub async fn prepare<S>(store: &S)
@@ -193,12 +193,12 @@ where
 }
 
 /// Runs one scenario on a store `open` returns (nothing when it returns `None`), after
-/// [`prepare`]: what each test of [`store_conformance!`](crate::store_conformance) does.
+/// [`prepare`]: what each test of [`store_conformance!`] does.
 ///
 /// ```no_run
 /// # #[cfg(feature = "sqlite")]
 /// # async fn demo() {
-/// use idempotency::{testing, SqliteStore, Store};
+/// use idempotency::{SqliteStore, Store, store::testing};
 /// async fn fresh() -> Option<SqliteStore> {
 ///     let store = SqliteStore::connect("sqlite::memory:").await.ok()?;
 ///     store.migrate().await.ok()?;
@@ -235,7 +235,7 @@ pub async fn run<S, Opened, Scenario, Done>(
 /// # async fn demo(store: idempotency::SqliteStore) -> Result<(), Box<dyn std::error::Error>> {
 /// use idempotency::Store;
 /// let mut tx = store.begin().await?;
-/// idempotency::testing::insert_effect(&mut tx, "trial-1").await?;
+/// idempotency::store::testing::insert_effect(&mut tx, "trial-1").await?;
 /// tx.commit().await?;
 /// # Ok(()) }
 /// ```
@@ -251,7 +251,7 @@ pub fn insert_effect<'t, DB: BusinessTable>(
 /// ```no_run
 /// # #[cfg(feature = "sqlite")]
 /// # async fn demo(store: idempotency::SqliteStore) {
-/// assert_eq!(idempotency::testing::count_effects(&store, "trial-1").await, 0);
+/// assert_eq!(idempotency::store::testing::count_effects(&store, "trial-1").await, 0);
 /// # }
 /// ```
 pub async fn count_effects<S>(store: &S, trial: &str) -> i64
@@ -270,7 +270,7 @@ where
 /// A local attempt of the operation `purchase`, keyed `key` in `scope`, for the request `body`.
 ///
 /// ```
-/// let attempt = idempotency::testing::attempt("user-1", "k1", serde_json::json!({"sku": "tea"}));
+/// let attempt = idempotency::store::testing::attempt("user-1", "k1", serde_json::json!({"sku": "tea"}));
 /// assert_eq!(attempt.key().operation(), "purchase");
 /// ```
 pub fn attempt(scope: &str, key: &str, body: serde_json::Value) -> Attempt {
@@ -283,7 +283,7 @@ pub fn attempt(scope: &str, key: &str, body: serde_json::Value) -> Attempt {
 /// A name no other test uses: `prefix` and a random suffix.
 ///
 /// ```
-/// let (a, b) = (idempotency::testing::unique("t"), idempotency::testing::unique("t"));
+/// let (a, b) = (idempotency::store::testing::unique("t"), idempotency::store::testing::unique("t"));
 /// assert_ne!(a, b);
 /// assert!(a.starts_with("t-"));
 /// ```
@@ -325,8 +325,8 @@ where
 /// ```no_run
 /// # #[cfg(feature = "sqlite")]
 /// # async fn demo(store: idempotency::SqliteStore) {
-/// idempotency::testing::prepare(&store).await;
-/// idempotency::testing::race(store, 20, 4).await;
+/// idempotency::store::testing::prepare(&store).await;
+/// idempotency::store::testing::race(store, 20, 4).await;
 /// # }
 /// ```
 pub async fn race<S>(store: S, trials: usize, tasks: usize)
@@ -385,7 +385,7 @@ where
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() {
 /// use std::time::Duration;
-/// assert!(idempotency::testing::wait_until(Duration::from_secs(1), || async { true }).await);
+/// assert!(idempotency::store::testing::wait_until(Duration::from_secs(1), || async { true }).await);
 /// # }
 /// ```
 pub async fn wait_until<F, Fut>(limit: Duration, mut check: F) -> bool
@@ -427,9 +427,9 @@ async fn poll_then_drop<F: Future>(future: F, polls: u64) -> Option<F::Output> {
 ///
 /// `open` is an `async fn() -> Option<S>` (or a closure returning such a future) giving a
 /// fresh, migrated store on an empty database for each test (`None` skips the test). The
-/// suites: `protocol` ([`Store`]), `journal` ([`Journal`](crate::Journal)),
-/// `reserve_in_transaction` ([`ReserveInTransaction`](crate::ReserveInTransaction)),
-/// `completion_signal` ([`CompletionSignal`](crate::CompletionSignal)). End with
+/// suites: `protocol` ([`Store`]), `journal` ([`Journal`](crate::store::Journal)),
+/// `reserve_in_transaction` ([`ReserveInTransaction`](crate::store::ReserveInTransaction)),
+/// `completion_signal` ([`CompletionSignal`](crate::store::CompletionSignal)). End with
 /// `single_writer` for a store whose business transactions block each other's writes
 /// ([`Profile::single_writer`]). The calling crate needs `tokio` with the `macros` and
 /// `rt-multi-thread` features.
@@ -446,20 +446,24 @@ async fn poll_then_drop<F: Future>(future: F, polls: u64) -> Option<F::Output> {
 ///     Some(store)
 /// }
 ///
-/// idempotency::store_conformance!(
+/// idempotency::store::testing::store_conformance!(
 ///     fresh_store,
 ///     [protocol, journal, reserve_in_transaction, completion_signal]
 /// );
 /// # }
 /// ```
+#[doc(inline)]
+pub use crate::__store_conformance as store_conformance;
+
+#[doc(hidden)]
 #[macro_export]
-macro_rules! store_conformance {
+macro_rules! __store_conformance {
     ($open:expr, [$($suite:ident),+ $(,)?] $(,)?) => {
         $(
             $crate::__conformance_suite!(
                 $suite,
                 $open,
-                $crate::testing::Profile::default()
+                $crate::store::testing::Profile::default()
             );
         )+
     };
@@ -468,7 +472,7 @@ macro_rules! store_conformance {
             $crate::__conformance_suite!(
                 $suite,
                 $open,
-                $crate::testing::Profile::single_writer()
+                $crate::store::testing::Profile::single_writer()
             );
         )+
     };
@@ -557,7 +561,7 @@ macro_rules! __conformance_tests {
             $(
                 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
                 async fn $scenario() {
-                    $crate::testing::run($open, $profile, $crate::testing::$suite::$scenario)
+                    $crate::store::testing::run($open, $profile, $crate::store::testing::$suite::$scenario)
                         .await;
                 }
             )+

@@ -3,7 +3,11 @@
 //! request, and `TimedOut` while a live holder works.
 
 use super::{attempt, store_name, unique, BusinessTable, Profile};
-use crate::{Attempt, Awaited, CompletionSignal, Idempotency, Lease, Reservation};
+use crate::{
+    protocol::Reservation,
+    store::{Awaited, CompletionSignal},
+    Attempt, Idempotency, Lease,
+};
 use serde_json::json;
 use std::time::{Duration, Instant};
 

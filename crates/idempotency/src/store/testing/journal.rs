@@ -4,8 +4,8 @@
 
 use super::{store_name, unique, BusinessTable, Profile};
 use crate::{
-    Effects, Fingerprint, IdempotencyKey, Insertion, Journal, KeyState, LeaseToken, PendingRow,
-    Progress, Store,
+    store::{Insertion, Journal, KeyState, LeaseToken, PendingRow, Progress},
+    Effects, Fingerprint, IdempotencyKey, Store,
 };
 use std::time::Duration;
 

@@ -7,8 +7,8 @@ use super::{
     wait_until, BusinessTable, Profile,
 };
 use crate::{
-    Attempt, Disposition, Effects, Error, Fingerprint, Idempotency, IdempotencyKey, KeyState,
-    Outcome, Reservation, Store,
+    protocol::Reservation, store::KeyState, Attempt, Disposition, Effects, Error, Fingerprint,
+    Idempotency, IdempotencyKey, Outcome, Store,
 };
 use serde_json::json;
 use std::{
