@@ -73,7 +73,7 @@ pub mod queue {
     //!
     //! ```
     //! use idempotency::queue::{DeliveryAction, MAX_MESSAGE_TYPE_LEN};
-    //! assert!(DeliveryAction::Ack.is_ack());
+    //! assert!(DeliveryAction::Ack { replayed: false }.is_ack());
     //! assert!(MAX_MESSAGE_TYPE_LEN < idempotency::key::MAX_PART_LEN);
     //! ```
 

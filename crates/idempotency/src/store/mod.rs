@@ -161,7 +161,7 @@ impl fmt::Display for LeaseToken {
 /// One row of the key table, as a store read it. Durations are computed by the database's clock.
 ///
 /// ```
-/// # use idempotency::*;
+/// # use idempotency::{*, key::*, store::*};
 /// # fn show(record: &KeyRecord) {
 /// if record.state == KeyState::Pending && record.lease_expired() {
 ///     println!("{} was abandoned by its worker", record.key);
@@ -244,7 +244,7 @@ pub struct Progress<'a> {
 /// What to write when reserving a key (or taking it over).
 ///
 /// ```
-/// # use idempotency::*;
+/// # use idempotency::{*, key::*, store::*};
 /// # use std::time::Duration;
 /// let key = IdempotencyKey::new("user-1", "purchase", "k1")?;
 /// let row = PendingRow {
@@ -306,7 +306,7 @@ impl PendingRow<'_> {
     /// Proved by crashing the database mid-storm (`faults --only db-crash`).
     ///
     /// ```
-    /// # use idempotency::*;
+    /// # use idempotency::{*, key::*, store::*};
     /// # use std::time::Duration;
     /// let key = IdempotencyKey::new("user-1", "charge", "k1")?;
     /// let mut row = PendingRow {

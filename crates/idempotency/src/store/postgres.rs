@@ -742,15 +742,6 @@ pub(crate) const NOTIFIED_POLL: Duration = Duration::from_millis(100);
 /// The payload notified when `key` completes: 32 hex digits of the SHA-256 of its three parts
 /// (length-prefixed), short and free of the key's own characters. Two keys sharing a payload only
 /// cost their waiters one extra read.
-///
-/// ```
-/// use idempotency::{completion_payload, IdempotencyKey};
-/// let a = IdempotencyKey::new("alice", "purchase", "k-1")?;
-/// let b = IdempotencyKey::new("alice", "purchase", "k-2")?;
-/// assert_eq!(completion_payload(&a).len(), 32);
-/// assert_ne!(completion_payload(&a), completion_payload(&b));
-/// # Ok::<(), idempotency::key::InvalidKey>(())
-/// ```
 pub(crate) fn completion_payload(key: &IdempotencyKey) -> String {
     use sha2::{Digest, Sha256};
     let mut hash = Sha256::new();
@@ -981,6 +972,14 @@ mod tests {
     use super::{completion_payload, PgStore, COMPLETION_CHANNEL};
     use crate::{store::CompletionSignal, IdempotencyKey};
     use std::time::Duration;
+
+    #[test]
+    fn payloads_are_short_and_differ_by_key() {
+        let a = IdempotencyKey::new("alice", "purchase", "k-1").unwrap();
+        let b = IdempotencyKey::new("alice", "purchase", "k-2").unwrap();
+        assert_eq!(completion_payload(&a).len(), 32);
+        assert_ne!(completion_payload(&a), completion_payload(&b));
+    }
 
     /// `notify_settled` reaches a `LISTEN`er on the store's channel with the key's payload.
     #[tokio::test]

@@ -296,7 +296,7 @@ pub fn unique(prefix: &str) -> String {
 /// ```no_run
 /// # #[cfg(feature = "sqlite")]
 /// # async fn demo(idem: idempotency::Idempotency<idempotency::SqliteStore>) {
-/// use idempotency::testing::{attempt, purchase};
+/// use idempotency::store::testing::{attempt, purchase};
 /// let a = attempt("user-1", "k1", serde_json::json!({}));
 /// assert!(!purchase(&idem, &a, "k1", 1).await.unwrap().is_replayed());
 /// # }
