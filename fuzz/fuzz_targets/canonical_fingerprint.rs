@@ -3,7 +3,7 @@
 //! and the fingerprint of the input is the fingerprint of its canonical form.
 #![no_main]
 
-use idempotency::{Fingerprint, protocol::canonical_json};
+use idempotency::{protocol::canonical_json, Fingerprint};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
@@ -12,14 +12,22 @@ fuzz_target!(|data: &[u8]| {
         return;
     };
     let canonical = canonical_json(&value).expect("a parsed document always serialises");
-    let reparsed: serde_json::Value = serde_json::from_slice(&canonical).expect("canonical JSON parses");
-    assert_eq!(canonical_json(&reparsed).unwrap(), canonical, "canonical form is a fixed point");
+    let reparsed: serde_json::Value =
+        serde_json::from_slice(&canonical).expect("canonical JSON parses");
+    assert_eq!(
+        canonical_json(&reparsed).unwrap(),
+        canonical,
+        "canonical form is a fixed point"
+    );
     assert_eq!(
         Fingerprint::of_json_bytes(data).unwrap(),
         Fingerprint::of_bytes(&canonical),
         "fingerprint of input = fingerprint of its canonical form"
     );
     // The builder's parts are framed, so a body part never equals a raw-bytes part of the same text.
-    let framed = Fingerprint::builder().json_part("body", data).unwrap().finish();
+    let framed = Fingerprint::builder()
+        .json_part("body", data)
+        .unwrap()
+        .finish();
     assert_ne!(framed, Fingerprint::of_bytes(&canonical));
 });

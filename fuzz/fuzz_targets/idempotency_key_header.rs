@@ -14,9 +14,21 @@ fuzz_target!(|data: &[u8]| {
     let Ok(key) = parse_idempotency_key(&value) else {
         return;
     };
-    assert!(!key.is_empty() && key.len() <= 255, "accepted key of {} bytes", key.len());
-    assert!(key.bytes().all(|b| (b' '..=b'~').contains(&b)), "accepted non-printable key {key:?}");
-    IdempotencyKey::new("scope", "operation", key.as_str()).expect("an accepted key is a valid core key");
+    assert!(
+        !key.is_empty() && key.len() <= 255,
+        "accepted key of {} bytes",
+        key.len()
+    );
+    assert!(
+        key.bytes().all(|b| (b' '..=b'~').contains(&b)),
+        "accepted non-printable key {key:?}"
+    );
+    IdempotencyKey::new("scope", "operation", key.as_str())
+        .expect("an accepted key is a valid core key");
     let formatted = format_idempotency_key(&key).expect("an accepted key can be formatted");
-    assert_eq!(parse_idempotency_key(&formatted).unwrap(), key, "round trip");
+    assert_eq!(
+        parse_idempotency_key(&formatted).unwrap(),
+        key,
+        "round trip"
+    );
 });

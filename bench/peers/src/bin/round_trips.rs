@@ -7,7 +7,9 @@
 //!     --bin round_trips -- [DATABASE_URL] [ITERATIONS]
 //! ```
 
-use idempotency::{Attempt, Fingerprint, Idempotency, IdempotencyKey, PgStore, Store, protocol::Begun};
+use idempotency::{
+    Attempt, Fingerprint, Idempotency, IdempotencyKey, PgStore, Store, protocol::Begun,
+};
 use std::time::{Duration, Instant};
 
 /// The same row as the reservation inserts, without `lock_timeout`.
