@@ -137,31 +137,32 @@ fn record(row: &SqliteRow) -> Result<KeyRecord, StoreError> {
         (row.try_get("lease_until")?, row.try_get("expires_at")?);
     let fingerprint: Vec<u8> = row.try_get("fingerprint")?;
     let token: String = row.try_get("lease_token")?;
-    Ok(KeyRecord {
-        key: IdempotencyKey::new(
-            row.try_get::<String, _>("scope")?,
-            row.try_get::<String, _>("operation")?,
-            row.try_get::<String, _>("idem_key")?,
-        )
-        .map_err(|_| corrupt("key"))?,
-        state: row.try_get::<String, _>("state")?.parse()?,
-        effects: row.try_get::<String, _>("effects")?.parse()?,
-        fingerprint: Fingerprint::try_from(fingerprint.as_slice())
-            .map_err(|_| corrupt("fingerprint"))?,
-        lease_token: LeaseToken(token.parse().map_err(|_| corrupt("lease_token"))?),
-        lease_remaining: Duration::from_millis(u64::try_from(lease_until - now()).unwrap_or(0)),
-        expired: expires_at <= now(),
-        result: row.try_get("result")?,
-        reason: row.try_get("reason")?,
-        recovery_attempts: row.try_get("recovery_attempts")?,
-        created_at: time("created_at")?,
-        updated_at: time("updated_at")?,
-        lease_until: time("lease_until")?,
-        expires_at: time("expires_at")?,
-        recovery_point: row.try_get("recovery_point")?,
-        request: row.try_get("request")?,
-        progress: row.try_get("progress")?,
-    })
+    let key = IdempotencyKey::new(
+        row.try_get::<String, _>("scope")?,
+        row.try_get::<String, _>("operation")?,
+        row.try_get::<String, _>("idem_key")?,
+    )
+    .map_err(|_| corrupt("key"))?;
+    let mut record = KeyRecord::new(
+        key,
+        row.try_get::<String, _>("state")?.parse()?,
+        row.try_get::<String, _>("effects")?.parse()?,
+        Fingerprint::try_from(fingerprint.as_slice()).map_err(|_| corrupt("fingerprint"))?,
+        LeaseToken(token.parse().map_err(|_| corrupt("lease_token"))?),
+    );
+    record.lease_remaining = Duration::from_millis(u64::try_from(lease_until - now()).unwrap_or(0));
+    record.expired = expires_at <= now();
+    record.result = row.try_get("result")?;
+    record.reason = row.try_get("reason")?;
+    record.recovery_attempts = row.try_get("recovery_attempts")?;
+    record.created_at = time("created_at")?;
+    record.updated_at = time("updated_at")?;
+    record.lease_until = time("lease_until")?;
+    record.expires_at = time("expires_at")?;
+    record.recovery_point = row.try_get("recovery_point")?;
+    record.request = row.try_get("request")?;
+    record.progress = row.try_get("progress")?;
+    Ok(record)
 }
 
 impl Store for MinimalStore {

@@ -131,10 +131,11 @@ impl Resolution {
 ///
 /// ```
 /// use idempotency::{maintenance::StateCount, store::KeyState};
-/// let count = StateCount { operation: "purchase".into(), state: KeyState::Pending, count: 3 };
+/// let count = StateCount::new("purchase", KeyState::Pending, 3);
 /// assert_eq!(count.count, 3);
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct StateCount {
     /// The operation.
     pub operation: String,
@@ -153,6 +154,7 @@ pub struct StateCount {
 /// assert!(stats.oldest_pending_age.is_none());
 /// ```
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct KeyStats {
     /// Row counts by operation and state, ordered by operation then state name.
     pub counts: Vec<StateCount>,
@@ -162,6 +164,17 @@ pub struct KeyStats {
     pub expired_leases: u64,
     /// Rows a purge would delete now.
     pub purgeable: u64,
+}
+
+impl StateCount {
+    /// `count` rows of `operation` in `state`.
+    pub fn new(operation: impl Into<String>, state: KeyState, count: u64) -> Self {
+        Self {
+            operation: operation.into(),
+            state,
+            count,
+        }
+    }
 }
 
 impl KeyStats {

@@ -169,6 +169,7 @@ impl fmt::Display for LeaseToken {
 /// # }
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct KeyRecord {
     /// The key the row belongs to.
     pub key: IdempotencyKey,
@@ -209,6 +210,47 @@ pub struct KeyRecord {
 }
 
 impl KeyRecord {
+    /// A record of `key` in `state`, as a store starts one from its row: the lease, retention,
+    /// timestamps and durable fields are empty (zero, the epoch, `None`); the store sets the
+    /// ones its row holds (the fields are public), by the database's clock. New fields added
+    /// later get such an empty default here, so a store keeps compiling.
+    ///
+    /// ```
+    /// use idempotency::{store::{KeyRecord, KeyState, LeaseToken}, Effects, Fingerprint, IdempotencyKey};
+    /// let key = IdempotencyKey::new("user-1", "purchase", "k1")?;
+    /// let mut record = KeyRecord::new(key, KeyState::Completed, Effects::Local, Fingerprint::of_bytes(b"r"), LeaseToken::new());
+    /// record.result = Some(b"{}".to_vec());
+    /// assert!(record.lease_expired());
+    /// # Ok::<(), idempotency::key::InvalidKey>(())
+    /// ```
+    pub fn new(
+        key: IdempotencyKey,
+        state: KeyState,
+        effects: Effects,
+        fingerprint: Fingerprint,
+        lease_token: LeaseToken,
+    ) -> Self {
+        Self {
+            key,
+            state,
+            effects,
+            fingerprint,
+            lease_token,
+            lease_remaining: Duration::ZERO,
+            expired: false,
+            result: None,
+            reason: None,
+            recovery_attempts: 0,
+            created_at: DateTime::<Utc>::UNIX_EPOCH,
+            updated_at: DateTime::<Utc>::UNIX_EPOCH,
+            lease_until: DateTime::<Utc>::UNIX_EPOCH,
+            expires_at: DateTime::<Utc>::UNIX_EPOCH,
+            recovery_point: None,
+            request: None,
+            progress: None,
+        }
+    }
+
     /// Whether the lease has ended by the database clock.
     pub fn lease_expired(&self) -> bool {
         self.lease_remaining.is_zero()
