@@ -144,11 +144,17 @@ def surface(crate):
             signature = signature[: signature.index("{")].strip()
         lines.add(f"{kind} {path}: {signature}".rstrip(": "))
         lines.update(members(path, kind, page))
-    # Public modules are listed on the crate's index page, not in all.html.
+    # Public modules are listed on the crate's index page, not in all.html; so are the
+    # re-exports that are not inlined (`pub use module::Item` at the root: a root name whose
+    # page is the module's).
     with open(os.path.join(doc_dir, "index.html"), encoding="utf-8") as f:
-        for module in re.findall(r'<a class="mod" href="([a-z0-9_]+)/index.html"', f.read()):
-            lines.add(f"mod {lib}::{module}")
-            root_names.add(module)
+        index = f.read()
+    for module in re.findall(r'<a class="mod" href="([a-z0-9_]+)/index.html"', index):
+        lines.add(f"mod {lib}::{module}")
+        root_names.add(module)
+    for name in re.findall(r'id="reexport\.([A-Za-z0-9_]+)"', index):
+        lines.add(f"reexport {lib}::{name}")
+        root_names.add(name)
     return sorted(lines), len(root_names)
 
 

@@ -25,11 +25,11 @@ mod worker;
 pub use disposition::Disposition;
 pub use error::{Error, StoreError};
 pub use fingerprint::Fingerprint;
-#[doc(inline)]
+#[doc(no_inline)]
 pub use key::IdempotencyKey;
 pub use lease::Lease;
 pub use outcome::Outcome;
-#[doc(inline)]
+#[doc(no_inline)]
 pub use protocol::{Attempt, Idempotency};
 #[cfg(feature = "mysql")]
 #[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
@@ -40,7 +40,7 @@ pub use store::postgres::PgStore;
 #[cfg(feature = "sqlite")]
 #[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
 pub use store::sqlite::SqliteStore;
-#[doc(inline)]
+#[doc(no_inline)]
 pub use store::{Effects, Store};
 
 pub mod durable {
