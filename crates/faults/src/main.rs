@@ -23,6 +23,7 @@ mod db;
 mod disk_full;
 mod scenarios;
 mod shop_process;
+mod topology;
 
 use clap::{Parser, ValueEnum};
 use scenarios::{ShopDatabase, Shutdown};
@@ -127,6 +128,12 @@ struct Args {
         default_value = "bash .ci/mariadb-ctl.sh"
     )]
     mysql_ctl: String,
+    /// Production topologies to run instead of the scenarios (their engines are started by
+    /// `.ci/topology/NAME.sh up`).
+    #[arg(long, value_enum, value_delimiter = ',')]
+    topology: Vec<topology::Topology>,
+    #[command(flatten)]
+    topology_args: topology::TopologyArgs,
 }
 
 #[tokio::main]
@@ -147,6 +154,9 @@ async fn main() {
         settle_limit: Duration::from_secs(args.settle_limit_secs),
         abandon_shop_args: args.abandon_shop_arg.clone(),
     };
+    if !args.topology.is_empty() {
+        run_topologies(&env, &args).await;
+    }
     let all = [
         Scenario::Kill9,
         Scenario::LostAck,
@@ -193,6 +203,28 @@ async fn main() {
                     failed += 1;
                     println!("faults: {scenario:?} on {backend}: FAILED ({took:.1}s): {e:#}");
                 }
+            }
+        }
+    }
+    println!("faults: {passed} passed, {failed} failed");
+    std::process::exit(if failed == 0 { 0 } else { 1 });
+}
+
+/// Runs the chosen topologies, prints `N passed, M failed`, and exits.
+async fn run_topologies(env: &scenarios::Env, args: &Args) -> ! {
+    let (mut passed, mut failed) = (0, 0);
+    for &chosen in &args.topology {
+        let started = Instant::now();
+        let result = topology::run(env, &args.topology_args, chosen).await;
+        let took = started.elapsed().as_secs_f64();
+        match result {
+            Ok(()) => {
+                passed += 1;
+                println!("faults: topology {chosen:?}: ok ({took:.1}s)");
+            }
+            Err(e) => {
+                failed += 1;
+                println!("faults: topology {chosen:?}: FAILED ({took:.1}s): {e:#}");
             }
         }
     }

@@ -149,12 +149,25 @@ impl StoreError {
     }
 }
 
-/// Whether a database error means "not now" rather than "never": the database could not be
-/// reached (pool timeout, refused or broken connection, crashed SQLite worker), it has no
-/// room to write (SQLite `SQLITE_FULL`, PostgreSQL `disk_full` 53100; MariaDB reports a full
-/// disk with the generic SQLSTATE `HY000`, so it is not recognised), or it rolled the
-/// transaction back to break a deadlock or a serialization conflict (SQLSTATE 40001, which
-/// MariaDB's deadlock 1213 also reports, and PostgreSQL's 40P01). A retry may succeed.
+/// Whether a database error means "not now" rather than "never": a retry may succeed.
+///
+/// - The database could not be reached: a pool timeout, a refused or broken connection, a
+///   crashed SQLite worker, or a server-side connection error (SQLSTATE class `08`, which
+///   includes Galera's `1047 WSREP has not yet prepared node for application use` and MariaDB's
+///   `1053` server shutdown).
+/// - The server is going away or not yet serving: PostgreSQL's `57P01` (terminated by an
+///   administrator, as on a fast shutdown), `57P02` (crash shutdown), `57P03` (cannot connect
+///   now, as while starting or recovering) and `25006` (a write on a standby not yet promoted);
+///   MariaDB's `1290` (`--read-only`) and `1927` (connection killed).
+/// - It has no room to write: SQLite `SQLITE_FULL`, PostgreSQL `disk_full` 53100. MariaDB
+///   reports a full disk with the generic SQLSTATE `HY000` and no distinct error number for
+///   every engine, so it is not recognised.
+/// - It rolled the transaction back to break a deadlock, a serialization conflict or a Galera
+///   certification conflict (SQLSTATE 40001, which MariaDB's deadlock 1213 also reports, and
+///   PostgreSQL's 40P01), or gave up waiting for a lock (MariaDB's `1205`).
+///
+/// None of these is read as "the work did not happen": a key is released only where the
+/// caller knows its transaction rolled back.
 ///
 /// ```
 /// assert!(idempotency::store::is_unavailable_error(&sqlx::Error::PoolClosed));
@@ -168,13 +181,33 @@ pub fn is_unavailable_error(error: &sqlx::Error) -> bool {
         | sqlx::Error::Tls(_)
         | sqlx::Error::WorkerCrashed => true,
         sqlx::Error::Database(db) => {
-            matches!(
-                db.code().as_deref(),
-                Some("13" | "53100" | "40001" | "40P01")
-            )
+            is_transient_sqlstate(db.code().as_deref()) || is_transient_mysql_error(db.as_ref())
         }
         _ => false,
     }
+}
+
+/// The SQLSTATEs (and SQLite's extended code 13) that mean "not now".
+fn is_transient_sqlstate(code: Option<&str>) -> bool {
+    let Some(code) = code else { return false };
+    code.starts_with("08")
+        || matches!(
+            code,
+            "13" | "53100" | "40001" | "40P01" | "57P01" | "57P02" | "57P03" | "25006"
+        )
+}
+
+/// MariaDB's error numbers that mean "not now" under a generic SQLSTATE (`HY000`, `70100`).
+#[cfg(feature = "mysql")]
+fn is_transient_mysql_error(error: &dyn sqlx::error::DatabaseError) -> bool {
+    error
+        .try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
+        .is_some_and(|e| matches!(e.number(), 1047 | 1053 | 1205 | 1290 | 1927))
+}
+
+#[cfg(not(feature = "mysql"))]
+fn is_transient_mysql_error(_: &dyn sqlx::error::DatabaseError) -> bool {
+    false
 }
 
 /// A boxed error from a step's own work.
@@ -351,5 +384,24 @@ impl PerformError {
             StepError::Parked { reason } => PerformError::Parked { reason },
             other => PerformError::Interrupted(other),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_transient_sqlstate;
+
+    #[test]
+    fn sqlstates_of_a_failover_a_rejoin_or_a_pooler_are_not_now() {
+        for code in [
+            "08000", "08006", "08S01", "57P01", "57P02", "57P03", "25006", "40001", "40P01",
+            "53100", "13",
+        ] {
+            assert!(is_transient_sqlstate(Some(code)), "{code}");
+        }
+        for code in ["23505", "42P01", "22001", "HY000", "25P02"] {
+            assert!(!is_transient_sqlstate(Some(code)), "{code}");
+        }
+        assert!(!is_transient_sqlstate(None));
     }
 }

@@ -21,7 +21,9 @@ pub(crate) mod sqlite;
 
 pub use crate::error::is_unavailable_error;
 pub use maintenance::Maintenance;
-pub(crate) use maintenance::{KeyFilter, KeyStats, Resolution, StateCount};
+pub(crate) use maintenance::Resolution;
+#[cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql"))]
+pub(crate) use maintenance::{KeyFilter, KeyStats, StateCount};
 #[cfg(feature = "testing")]
 #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
 pub mod testing;
