@@ -2,22 +2,22 @@
 //! whole contract in one file, each method one plain conditional statement, proved by the
 //! published conformance suite (`tests/example_store.rs` runs `store_conformance!` on it).
 //!
-//! Its database is a throwaway SQLite file in a temporary directory, deleted when the last clone
-//! of the store is dropped: nothing survives the process, nothing is tuned (no relaxed flushes, no
-//! cancellation guards), and it takes the time from this process's clock, where a store shared by
-//! several processes must use the database's. Use `SqliteStore`, `PgStore` or `MySqlStore` for
-//! real work.
+//! Its database lives in memory and is gone when the last clone of the store is dropped: nothing
+//! survives the process, nothing is tuned (no relaxed flushes, no cancellation guards), and it
+//! takes the time from this process's clock, where a store shared by several processes must use
+//! the database's. Use `SqliteStore`, `PgStore` or `MySqlStore` for real work.
 //!
 //! Why not keep the keys in a `HashMap`? The protocol completes a key **inside the business
 //! transaction** ([`Store::complete`] gets the `sqlx::Transaction`): the completion must commit,
 //! or roll back, with the work's writes. A map beside the database cannot join that
-//! transaction, so a store's key table lives in the database the business writes go to.
+//! transaction, so a store's key table lives in the database the business writes go to: here,
+//! one in-memory SQLite database.
 //!
-//! Why not `sqlite::memory:`? Such a database lives in one connection, and the protocol reads a
-//! key while a business transaction is open on it (a duplicate asks while the original works):
-//! on one connection that read would wait for the transaction, which waits for the read. A file
-//! in WAL mode lets the readers ([`Store::find`], [`Store::find_replay`]) go on beside the one
-//! writer connection.
+//! Why several connections? The protocol reads a key while a business transaction is open (a
+//! duplicate asks while the original works): on one connection that read would wait for the
+//! transaction, which waits for the read. SQLite's shared cache (what `sqlite::memory:` opens)
+//! lets the readers' connections ([`Store::find`], [`Store::find_replay`]) read the key table
+//! beside the one writer connection, whose transaction locks only the tables it writes.
 //!
 //! Run it: `cargo run -p idempotency --example minimal_store --features testing`.
 
@@ -28,45 +28,40 @@ use idempotency::{
     Fingerprint, IdempotencyKey, Store, StoreError,
 };
 use sqlx::{
-    sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteRow},
+    sqlite::{SqliteConnectOptions, SqlitePoolOptions, SqliteRow},
     Row, Sqlite, SqlitePool, Transaction,
 };
-use std::{sync::Arc, time::Duration};
+use std::{str::FromStr, time::Duration};
 
-/// A store whose key table and business tables live in one throwaway SQLite file.
+/// A store whose key table and business tables live in one in-memory SQLite database.
 /// Illustration only: see the module's documentation.
 #[derive(Debug, Clone)]
 pub struct MinimalStore {
     /// The one connection every write and business transaction runs on (SQLite has one writer).
+    /// It never closes, so the in-memory database lives as long as the store.
     pool: SqlitePool,
-    /// Read-only connections for the reads that must not wait for a business transaction.
+    /// Connections for the reads that must not wait for a business transaction.
     reader: SqlitePool,
-    /// The directory of the file, deleted with the last clone.
-    _directory: Arc<tempfile::TempDir>,
 }
 
 impl MinimalStore {
-    /// A new, empty database in a temporary directory.
+    /// A new, empty in-memory database.
     pub async fn new() -> Result<Self, Box<dyn std::error::Error>> {
-        let directory = tempfile::tempdir()?;
-        let options = SqliteConnectOptions::new()
-            .filename(directory.path().join("keys.db"))
-            .create_if_missing(true)
-            .journal_mode(SqliteJournalMode::Wal)
-            .busy_timeout(Duration::from_secs(5));
+        // `sqlite::memory:` names a new shared-cache database: every connection opened with
+        // these options (and clones of them) reaches the same one.
+        let options = SqliteConnectOptions::from_str("sqlite::memory:")?;
         let pool = SqlitePoolOptions::new()
             .max_connections(1)
+            .min_connections(1)
+            .idle_timeout(None)
+            .max_lifetime(None)
             .connect_with(options.clone())
             .await?;
         let reader = SqlitePoolOptions::new()
             .max_connections(4)
-            .connect_with(options.read_only(true))
+            .connect_with(options)
             .await?;
-        Ok(Self {
-            pool,
-            reader,
-            _directory: Arc::new(directory),
-        })
+        Ok(Self { pool, reader })
     }
 
     /// The writer's pool, for the business tables.

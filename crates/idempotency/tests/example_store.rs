@@ -9,7 +9,7 @@ use idempotency::Store;
 use minimal_store::MinimalStore;
 
 async fn fresh() -> Option<MinimalStore> {
-    let store = MinimalStore::new().await.expect("a throwaway database");
+    let store = MinimalStore::new().await.expect("an in-memory database");
     store.migrate().await.expect("migrate");
     Some(store)
 }
