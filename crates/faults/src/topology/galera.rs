@@ -254,8 +254,8 @@ async fn conflicts_since(
     let mut total = Conflicts::default();
     for node in cluster::NODES {
         let (before, after) = (start[&node], end[&node]);
-        total = total.add(if node == killed {
-            fault.conflicts_before_kill.since(before).add(after)
+        total = total.plus(if node == killed {
+            fault.conflicts_before_kill.since(before).plus(after)
         } else {
             after.since(before)
         });

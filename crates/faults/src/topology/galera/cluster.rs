@@ -116,7 +116,7 @@ impl Conflicts {
     }
 
     /// Both counts added up.
-    pub fn add(self, other: Self) -> Self {
+    pub fn plus(self, other: Self) -> Self {
         Conflicts {
             cert_failures: self.cert_failures + other.cert_failures,
             bf_aborts: self.bf_aborts + other.bf_aborts,
