@@ -43,6 +43,8 @@ pub struct OpReport {
     pub replays: usize,
     /// 5xx answers that were not `application/problem+json`.
     pub bare_5xx: usize,
+    /// 503 answers without a retry hint (`Retry-After` or `Retry-After-Ms`).
+    pub unhinted_503: usize,
 }
 
 impl OpReport {
@@ -95,6 +97,7 @@ pub async fn purchase_until_settled(
         statuses: BTreeMap::new(),
         replays: usize::from(outcome.replayed),
         bare_5xx: 0,
+        unhinted_503: 0,
     };
     for attempt in &outcome.attempts {
         let status = attempt.result.status();
@@ -104,6 +107,9 @@ pub async fn purchase_until_settled(
             .or_default() += 1;
         if status.is_some_and(|s| s.is_server_error()) && !attempt.problem_json {
             report.bare_5xx += 1;
+        }
+        if status == Some(StatusCode::SERVICE_UNAVAILABLE) && attempt.retry_after.is_none() {
+            report.unhinted_503 += 1;
         }
     }
     let response = match sent {

@@ -177,13 +177,14 @@ async fn double_click(http: &reqwest::Client, url: &str, user: &str, body: &Valu
     merge(a, b)
 }
 
-fn merge(mut a: OpReport, b: OpReport) -> OpReport {
+pub(crate) fn merge(mut a: OpReport, b: OpReport) -> OpReport {
     a.purchase_ids.extend(b.purchase_ids);
     for (status, n) in b.statuses {
         *a.statuses.entry(status).or_default() += n;
     }
     a.replays += b.replays;
     a.bare_5xx += b.bare_5xx;
+    a.unhinted_503 += b.unhinted_503;
     if a.settled != Settled::Created {
         a.settled = b.settled;
     }
@@ -228,7 +229,7 @@ pub(crate) async fn collect(
 /// Runs `idem recover --once` and returns its output. The CLI has no durable operations
 /// registered: it leaves durable purchase keys to the shop's worker, so after the worker settled
 /// everything it must find nothing to do.
-async fn recover(env: &Env, database_url: &str) -> Result<String> {
+pub(crate) async fn recover(env: &Env, database_url: &str) -> Result<String> {
     let out = tokio::process::Command::new(&env.idem_bin)
         .args(["recover", "--once", "--database-url", database_url])
         .output()
@@ -1057,6 +1058,7 @@ async fn purchase_once(http: &reqwest::Client, url: &str, user: &str, body: &Val
         statuses: Default::default(),
         replays: 0,
         bare_5xx: 0,
+        unhinted_503: 0,
     };
     let sent = http
         .post(format!("{url}/purchases"))

@@ -28,7 +28,17 @@ pub(crate) struct Bookkeeping {
     /// on its own (MySQL) can crash between a change and its bookkeeping row, and then applies
     /// the migration again.
     pub(crate) already_applied: fn(&sqlx::Error) -> bool,
+    /// `record_version` errors that mean another process recorded the version meanwhile (a
+    /// duplicate): where the dialect's lock does not exclude every other process, as MySQL's
+    /// `GET_LOCK` on a Galera node, which holds on that node only.
+    pub(crate) recorded_meanwhile: fn(&sqlx::Error) -> bool,
+    /// `record_version` errors that rolled the insert back and may be retried (a deadlock, a
+    /// Galera certification conflict with another node's insert of the same version).
+    pub(crate) rolled_back: fn(&sqlx::Error) -> bool,
 }
+
+/// How many times a bookkeeping insert that was rolled back is tried again.
+const RECORD_ATTEMPTS: u32 = 4;
 
 /// Applies, in order, each migration not yet recorded, and records it. The caller holds the
 /// dialect's migration lock on `conn` for the whole call.
@@ -68,13 +78,38 @@ where
                 }
             }
         }
-        sqlx::query::<DB>(bookkeeping.record_version)
+        record::<DB>(conn, bookkeeping, migration).await?;
+    }
+    Ok(())
+}
+
+/// Records `migration` as applied; a duplicate means another process recorded it meanwhile.
+async fn record<DB>(
+    conn: &mut DB::Connection,
+    bookkeeping: &Bookkeeping,
+    migration: &Migration,
+) -> Result<(), StoreError>
+where
+    DB: sqlx::Database,
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    for<'q> <DB as sqlx::Database>::Arguments<'q>: sqlx::IntoArguments<'q, DB>,
+    for<'q> i64: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+    for<'q> String: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+{
+    let mut attempt = 1;
+    loop {
+        let recorded = sqlx::query::<DB>(bookkeeping.record_version)
             .bind(migration.version)
             .bind(migration.description.to_owned())
             .execute(&mut *conn)
-            .await?;
+            .await;
+        match recorded {
+            Ok(_) => return Ok(()),
+            Err(e) if (bookkeeping.recorded_meanwhile)(&e) => return Ok(()),
+            Err(e) if attempt < RECORD_ATTEMPTS && (bookkeeping.rolled_back)(&e) => attempt += 1,
+            Err(e) => return Err(e.into()),
+        }
     }
-    Ok(())
 }
 
 /// For dialects whose migrations run in one transaction: no statement error is expected.
@@ -125,6 +160,8 @@ mod tests {
             record_version:
                 "INSERT INTO idempotency_schema_migrations (version, description) VALUES (?1, ?2)",
             already_applied: super::never_applied,
+            recorded_meanwhile: super::never_applied,
+            rolled_back: super::never_applied,
         };
         let migrations = [
             Migration {

@@ -304,6 +304,11 @@ const BOOKKEEPING: Bookkeeping = Bookkeeping {
     record_version: "INSERT INTO idempotency_schema_migrations (version, description, applied_at)
         VALUES (?, ?, UTC_TIMESTAMP(6))",
     already_applied: |error| error_number(error) == Some(ER_DUP_FIELDNAME),
+    // `GET_LOCK` holds on one server: on a Galera cluster, processes migrating through
+    // different nodes run at once. Their DDL is idempotent and ordered cluster-wide; the second
+    // bookkeeping row of a version is a duplicate, or a certification conflict (1213) on commit.
+    recorded_meanwhile: |error| error_number(error) == Some(ER_DUP_ENTRY),
+    rolled_back: lost_race,
 };
 
 impl MySqlStore {
@@ -829,5 +834,50 @@ impl super::Maintenance for MySqlStore {
             expired_leases: summary.try_get::<i64, _>("expired_leases")?.max(0) as u64,
             purgeable: summary.try_get::<i64, _>("purgeable")?.max(0) as u64,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A process migrating through another Galera node records a version between this one's
+    /// check and its own record (`GET_LOCK` excludes only the processes of one node). A check
+    /// that misses the recorded rows stands for that moment, on a real server.
+    #[tokio::test]
+    async fn a_version_recorded_meanwhile_by_another_process_is_taken_as_applied() {
+        let Some(url) = test_support::fresh_mysql_url().await else {
+            return;
+        };
+        let store = MySqlStore::connect(&url).await.unwrap();
+        store.migrate().await.unwrap();
+        let late = Bookkeeping {
+            find_version: "SELECT version FROM idempotency_schema_migrations
+                WHERE version = ? AND 1 = 0",
+            ..BOOKKEEPING
+        };
+        let mut conn = store.pool().acquire().await.unwrap();
+        migration::apply_pending::<MySql>(&mut conn, &late, MIGRATIONS)
+            .await
+            .unwrap();
+        let versions: Vec<i64> = sqlx::query_scalar(
+            "SELECT version FROM idempotency_schema_migrations ORDER BY version",
+        )
+        .fetch_all(&mut *conn)
+        .await
+        .unwrap();
+        assert_eq!(versions, vec![1, 2]);
+        // Without the tolerance, the duplicate fails the migration (what a second node saw).
+        let strict = Bookkeeping {
+            recorded_meanwhile: |_| false,
+            ..late
+        };
+        let error = migration::apply_pending::<MySql>(&mut conn, &strict, MIGRATIONS)
+            .await
+            .unwrap_err();
+        let StoreError::Database(error) = error else {
+            panic!("expected the duplicate, got {error:?}");
+        };
+        assert_eq!(error_number(&error), Some(ER_DUP_ENTRY));
     }
 }

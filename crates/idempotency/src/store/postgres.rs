@@ -40,6 +40,8 @@ const BOOKKEEPING: Bookkeeping = Bookkeeping {
     record_version:
         "INSERT INTO idempotency_schema_migrations (version, description) VALUES ($1, $2)",
     already_applied: migration::never_applied,
+    recorded_meanwhile: migration::never_applied,
+    rolled_back: migration::never_applied,
 };
 
 macro_rules! columns {

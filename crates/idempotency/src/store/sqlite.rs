@@ -48,6 +48,8 @@ const BOOKKEEPING: Bookkeeping = Bookkeeping {
         ")"
     ),
     already_applied: migration::never_applied,
+    recorded_meanwhile: migration::never_applied,
+    rolled_back: migration::never_applied,
 };
 
 macro_rules! columns {
