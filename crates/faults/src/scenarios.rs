@@ -177,7 +177,7 @@ async fn double_click(http: &reqwest::Client, url: &str, user: &str, body: &Valu
     merge(a, b)
 }
 
-fn merge(mut a: OpReport, b: OpReport) -> OpReport {
+pub(crate) fn merge(mut a: OpReport, b: OpReport) -> OpReport {
     a.purchase_ids.extend(b.purchase_ids);
     for (status, n) in b.statuses {
         *a.statuses.entry(status).or_default() += n;
@@ -228,7 +228,7 @@ pub(crate) async fn collect(
 /// Runs `idem recover --once` and returns its output. The CLI has no durable operations
 /// registered: it leaves durable purchase keys to the shop's worker, so after the worker settled
 /// everything it must find nothing to do.
-async fn recover(env: &Env, database_url: &str) -> Result<String> {
+pub(crate) async fn recover(env: &Env, database_url: &str) -> Result<String> {
     let out = tokio::process::Command::new(&env.idem_bin)
         .args(["recover", "--once", "--database-url", database_url])
         .output()
@@ -1028,7 +1028,7 @@ pub async fn abandon(env: &Env, backend: ShopDatabase, kills: usize) -> Result<(
     Ok(())
 }
 
-fn answers(by_status: &BTreeMap<u16, usize>) -> String {
+pub(crate) fn answers(by_status: &BTreeMap<u16, usize>) -> String {
     by_status
         .iter()
         .map(|(status, n)| match status {
