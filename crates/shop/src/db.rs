@@ -20,7 +20,45 @@ use sqlx::{
     Arguments, Database, Encode, FromRow, MySql, MySqlConnection, MySqlPool, PgConnection, PgPool,
     Postgres, Sqlite, SqliteConnection, SqlitePool, Transaction, Type,
 };
-use std::{str::FromStr, time::Duration};
+use std::{
+    str::FromStr,
+    sync::atomic::{AtomicBool, Ordering},
+    time::Duration,
+};
+
+/// Whether the shop's PostgreSQL is reached through a transaction pooler (PgBouncer's
+/// `pool_mode = transaction`; [`PgStore::behind_transaction_pooler`]), set once when the shop
+/// connects. Its PostgreSQL statements are then unnamed (`persistent(false)`), and one run
+/// outside a transaction runs inside one of its own, as the store's do: a prepared statement
+/// may not outlive its transaction there.
+static PG_BEHIND_POOLER: AtomicBool = AtomicBool::new(false);
+
+/// Runs a PostgreSQL statement for [`Conn`] (see [`PG_BEHIND_POOLER`]); returns its rows and
+/// the number of rows it affected.
+async fn pg_run(c: &mut PgConnection, sql: &Sql<'_>) -> Result<(Vec<PgRow>, u64), sqlx::Error> {
+    use futures_util::TryStreamExt;
+    use sqlx::{Connection, Either, Executor};
+    let pooled = PG_BEHIND_POOLER.load(Ordering::Relaxed);
+    let query = sqlx::query_with(sql.text, sql.arguments::<Postgres>()?).persistent(!pooled);
+    let collect = |results: Vec<Either<sqlx::postgres::PgQueryResult, PgRow>>| {
+        let mut rows = Vec::new();
+        let mut affected = 0;
+        for result in results {
+            match result {
+                Either::Left(done) => affected += done.rows_affected(),
+                Either::Right(row) => rows.push(row),
+            }
+        }
+        (rows, affected)
+    };
+    if !pooled || c.is_in_transaction() {
+        return Ok(collect((&mut *c).fetch_many(query).try_collect().await?));
+    }
+    let mut tx = c.begin().await?;
+    let results = (&mut *tx).fetch_many(query).try_collect().await?;
+    tx.commit().await?;
+    Ok(collect(results))
+}
 
 /// Lock id for `pg_advisory_xact_lock` while the shop migrates ("shop" in ASCII).
 const SHOP_MIGRATION_LOCK: i64 = 0x7368_6f70;
@@ -216,10 +254,7 @@ impl Conn<'_> {
     /// Runs a statement; returns the number of rows it affected.
     pub async fn execute(&mut self, sql: Sql<'_>) -> Result<u64, sqlx::Error> {
         Ok(match self {
-            Conn::Pg(c) => sqlx::query_with(sql.text, sql.arguments::<Postgres>()?)
-                .execute(&mut **c)
-                .await?
-                .rows_affected(),
+            Conn::Pg(c) => pg_run(c, &sql).await?.1,
             Conn::Sqlite(c) => sqlx::query_with(sql.text, sql.arguments::<Sqlite>()?)
                 .execute(&mut **c)
                 .await?
@@ -238,9 +273,8 @@ impl Conn<'_> {
     pub async fn fetch_one<T: Row>(&mut self, sql: Sql<'_>) -> Result<T, sqlx::Error> {
         match self {
             Conn::Pg(c) => {
-                sqlx::query_as_with(sql.text, sql.arguments::<Postgres>()?)
-                    .fetch_one(&mut **c)
-                    .await
+                let (rows, _) = pg_run(c, &sql).await?;
+                T::from_row(rows.first().ok_or(sqlx::Error::RowNotFound)?)
             }
             Conn::Sqlite(c) => {
                 sqlx::query_as_with(sql.text, sql.arguments::<Sqlite>()?)
@@ -260,9 +294,8 @@ impl Conn<'_> {
     pub async fn fetch_optional<T: Row>(&mut self, sql: Sql<'_>) -> Result<Option<T>, sqlx::Error> {
         match self {
             Conn::Pg(c) => {
-                sqlx::query_as_with(sql.text, sql.arguments::<Postgres>()?)
-                    .fetch_optional(&mut **c)
-                    .await
+                let (rows, _) = pg_run(c, &sql).await?;
+                rows.first().map(T::from_row).transpose()
             }
             Conn::Sqlite(c) => {
                 sqlx::query_as_with(sql.text, sql.arguments::<Sqlite>()?)
@@ -282,9 +315,8 @@ impl Conn<'_> {
     pub async fn fetch_all<T: Row>(&mut self, sql: Sql<'_>) -> Result<Vec<T>, sqlx::Error> {
         match self {
             Conn::Pg(c) => {
-                sqlx::query_as_with(sql.text, sql.arguments::<Postgres>()?)
-                    .fetch_all(&mut **c)
-                    .await
+                let (rows, _) = pg_run(c, &sql).await?;
+                rows.iter().map(T::from_row).collect()
             }
             Conn::Sqlite(c) => {
                 sqlx::query_as_with(sql.text, sql.arguments::<Sqlite>()?)
@@ -491,7 +523,16 @@ pub async fn connect(url: &str, max_connections: u32) -> anyhow::Result<(ShopDb,
                 .max_connections(max_connections.div_ceil(2).max(2))
                 .connect(url)
                 .await?;
-            Ok((ShopDb::Pg(PgStore::new(shop)), ProviderDb::Pg(providers)))
+            let store = PgStore::new(shop);
+            let pooled = store
+                .behind_transaction_pooler()
+                .await
+                .with_context(|| format!("connecting to {url}"))?;
+            PG_BEHIND_POOLER.store(pooled, Ordering::Relaxed);
+            if pooled {
+                tracing::info!("PostgreSQL through a transaction pooler: unnamed statements, each in a transaction");
+            }
+            Ok((ShopDb::Pg(store), ProviderDb::Pg(providers)))
         }
         Kind::Sqlite => {
             let path = sqlite_path(url)?;
@@ -593,10 +634,14 @@ impl ShopDb {
                 let mut tx = store.pool().begin().await?;
                 sqlx::query("SELECT pg_advisory_xact_lock($1)")
                     .bind(SHOP_MIGRATION_LOCK)
+                    .persistent(false)
                     .execute(&mut *tx)
                     .await?;
                 for statement in statements(include_str!("../migrations/postgres.sql")) {
-                    sqlx::query(&statement).execute(&mut *tx).await?;
+                    sqlx::query(&statement)
+                        .persistent(false)
+                        .execute(&mut *tx)
+                        .await?;
                 }
                 tx.commit().await?;
             }
@@ -604,7 +649,10 @@ impl ShopDb {
                 store.migrate().await.context("idempotency migrations")?;
                 let mut tx = store.writer().begin_with("BEGIN IMMEDIATE").await?;
                 for statement in statements(include_str!("../migrations/sqlite.sql")) {
-                    sqlx::query(&statement).execute(&mut *tx).await?;
+                    sqlx::query(&statement)
+                        .persistent(false)
+                        .execute(&mut *tx)
+                        .await?;
                 }
                 let orders: String = sqlx::query_scalar(
                     "SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'shop_orders'",
@@ -677,17 +725,24 @@ impl ProviderDb {
                 let mut tx = pool.begin().await?;
                 sqlx::query("SELECT pg_advisory_xact_lock($1)")
                     .bind(SHOP_MIGRATION_LOCK + 1)
+                    .persistent(false)
                     .execute(&mut *tx)
                     .await?;
                 for statement in statements(include_str!("../migrations/postgres_providers.sql")) {
-                    sqlx::query(&statement).execute(&mut *tx).await?;
+                    sqlx::query(&statement)
+                        .persistent(false)
+                        .execute(&mut *tx)
+                        .await?;
                 }
                 tx.commit().await?;
             }
             ProviderDb::Sqlite(pool) => {
                 let mut tx = pool.begin_with("BEGIN IMMEDIATE").await?;
                 for statement in statements(include_str!("../migrations/sqlite_providers.sql")) {
-                    sqlx::query(&statement).execute(&mut *tx).await?;
+                    sqlx::query(&statement)
+                        .persistent(false)
+                        .execute(&mut *tx)
+                        .await?;
                 }
                 tx.commit().await?;
             }

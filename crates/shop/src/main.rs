@@ -83,6 +83,11 @@ struct ServeArgs {
     /// then answers with its stored response instead of a 409 (0: 409 at once).
     #[arg(long, default_value_t = 0)]
     wait_for_in_flight_ms: u64,
+    /// Keyed orders (`POST /orders`, local work) reserve their key inside the business
+    /// transaction (`Idempotency::with_single_transaction`), a duplicate waiting for the holder's
+    /// commit at most this many milliseconds (0: off). PostgreSQL and MariaDB.
+    #[arg(long, default_value_t = 0)]
+    single_transaction_ms: u64,
     /// Write each paid purchase's event into the outbox and relay it to this RabbitMQ broker
     /// (`amqp://USER:PASS@HOST:PORT/VHOST`), for `shop worker`.
     #[arg(long, env = "SHOP_AMQP_URL")]
@@ -150,6 +155,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         (!args.no_worker).then(|| Duration::from_millis(args.worker_interval_ms.max(10)));
     config.wait_for_in_flight =
         (args.wait_for_in_flight_ms > 0).then(|| Duration::from_millis(args.wait_for_in_flight_ms));
+    config.single_transaction =
+        (args.single_transaction_ms > 0).then(|| Duration::from_millis(args.single_transaction_ms));
     config.amqp_url = args.amqp_url.clone();
     config.outbox_duplicate_share = args.outbox_duplicate_share;
     let running = app::start(&config, &args.listen).await?;

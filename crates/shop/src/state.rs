@@ -47,6 +47,10 @@ pub struct Config {
     /// stored response instead of a 409 (`IdempotencyLayer::with_wait_for_in_flight`); `None`: 409 at
     /// once.
     pub wait_for_in_flight: Option<Duration>,
+    /// Local keyed work reserves its key inside the business transaction, a duplicate waiting
+    /// at most this long for the holder's commit (`Idempotency::with_single_transaction`;
+    /// PostgreSQL and MariaDB; `None`: off).
+    pub single_transaction: Option<Duration>,
     /// The broker the outbox relay publishes purchase events to (`amqp://…`); `None`: no
     /// outbox rows are written and no relay runs.
     pub amqp_url: Option<String>,
@@ -69,6 +73,7 @@ impl Config {
             replay_cache: None,
             worker_interval: Some(Duration::from_secs(1)),
             wait_for_in_flight: None,
+            single_transaction: None,
             amqp_url: None,
             outbox_duplicate_share: 0.0,
         }
@@ -128,9 +133,15 @@ impl App {
         db.migrate().await?;
         providers.migrate().await?;
         let engine = match &db {
-            ShopDb::Pg(store) => Engine::Pg(configured(store, config)),
+            ShopDb::Pg(store) => Engine::Pg(match config.single_transaction {
+                Some(wait) => configured(store, config).with_single_transaction(wait),
+                None => configured(store, config),
+            }),
             ShopDb::Sqlite(store) => Engine::Sqlite(configured(store, config)),
-            ShopDb::My(store) => Engine::My(configured(store, config)),
+            ShopDb::My(store) => Engine::My(match config.single_transaction {
+                Some(wait) => configured(store, config).with_single_transaction(wait),
+                None => configured(store, config),
+            }),
         };
         let payment = PaymentProvider::new(providers.clone(), config.payment);
         Ok(Self(Arc::new(Inner {

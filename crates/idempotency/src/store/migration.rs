@@ -48,25 +48,33 @@ pub(crate) async fn apply_pending<DB>(
     migrations: &[Migration],
 ) -> Result<(), StoreError>
 where
-    DB: sqlx::Database,
+    DB: sqlx::Database + sqlx::database::HasStatementCache,
     for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
     for<'q> <DB as sqlx::Database>::Arguments<'q>: sqlx::IntoArguments<'q, DB>,
     for<'q> i64: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
     for<'q> String: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
 {
+    // Unnamed statements (`persistent(false)`): a migration runs once, and behind a transaction
+    // pooler a named statement could meet one of the same name another client left on the server.
     sqlx::query::<DB>(bookkeeping.create_table)
+        .persistent(false)
         .execute(&mut *conn)
         .await?;
     for migration in migrations {
         let recorded = sqlx::query::<DB>(bookkeeping.find_version)
             .bind(migration.version)
+            .persistent(false)
             .fetch_optional(&mut *conn)
             .await?;
         if recorded.is_some() {
             continue;
         }
         for statement in statements(migration.sql) {
-            match sqlx::query::<DB>(&statement).execute(&mut *conn).await {
+            match sqlx::query::<DB>(&statement)
+                .persistent(false)
+                .execute(&mut *conn)
+                .await
+            {
                 Ok(_) => {}
                 Err(source) if (bookkeeping.already_applied)(&source) => {}
                 Err(source) => {
@@ -101,6 +109,7 @@ where
         let recorded = sqlx::query::<DB>(bookkeeping.record_version)
             .bind(migration.version)
             .bind(migration.description.to_owned())
+            .persistent(false)
             .execute(&mut *conn)
             .await;
         match recorded {

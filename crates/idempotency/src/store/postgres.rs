@@ -4,9 +4,15 @@ use super::migration::{self, Bookkeeping, Migration};
 use super::row::KeyRow;
 use super::{millis, Insertion, KeyRecord, LeaseToken, PendingRow, ReservedIn, Store};
 use crate::{error::StoreError, Fingerprint, IdempotencyKey};
-use sqlx::{postgres::PgRow, PgPool, Postgres, Row, Transaction};
+use sqlx::{
+    postgres::{PgArguments, PgQueryResult, PgRow},
+    PgConnection, PgPool, Postgres, Row, Transaction,
+};
 use std::{collections::HashMap, sync::Arc, time::Duration};
-use tokio::sync::{oneshot, Notify};
+use tokio::sync::{oneshot, Notify, OnceCell};
+
+/// A statement with its arguments bound.
+type PgQuery<'q> = sqlx::query::Query<'q, Postgres, PgArguments>;
 
 /// The key table's migrations, applied in order by [`Store::migrate`].
 pub(crate) const MIGRATIONS: &[Migration] = &[
@@ -157,6 +163,9 @@ const FIND: &str = concat!(
 #[derive(Debug, Clone)]
 pub struct PgStore {
     pool: PgPool,
+    /// Whether the pool reaches PostgreSQL through a transaction pooler, detected at first use
+    /// ([`PgStore::behind_transaction_pooler`]); shared by the clones of this store.
+    pooler: Arc<OnceCell<bool>>,
     /// Waiters for completions, and the one listener connection that wakes them (started by the
     /// first [`CompletionSignal::wait_for_completion`](super::CompletionSignal::wait_for_completion)); shared by the clones of this store.
     completions: Arc<Completions>,
@@ -167,6 +176,7 @@ impl PgStore {
     pub fn new(pool: PgPool) -> Self {
         Self {
             pool,
+            pooler: Arc::default(),
             completions: Arc::default(),
         }
     }
@@ -189,6 +199,123 @@ impl PgStore {
     pub fn pool(&self) -> &PgPool {
         &self.pool
     }
+
+    /// Whether the pool reaches PostgreSQL through a pooler that hands a session's server
+    /// connection to other clients between transactions (PgBouncer's `pool_mode = transaction`),
+    /// detected once, at the store's first use, and shared by its clones.
+    ///
+    /// Behind such a pooler a prepared statement lives on a server connection the client may not
+    /// get back: sqlx's named statements (`sqlx_s_1`, …, with or without its statement cache)
+    /// collide with those other clients left there, and even an unnamed one is prepared and
+    /// executed in two round trips that, outside a transaction, may reach two different server
+    /// connections. So the store then runs each statement of its own unnamed
+    /// (`persistent(false)`) and inside a transaction (`BEGIN` … `COMMIT` around those that ran
+    /// alone), and its waiters for requests in flight poll instead of `LISTEN`ing (a
+    /// notification would reach whichever client holds that server connection). Your own
+    /// statements on the same pool must do the same: `.persistent(false)`, inside a transaction.
+    ///
+    /// The detection opens two connections of its own and runs plain `SELECT pg_backend_pid()`
+    /// statements (the simple protocol, safe behind any pooler): on a direct connection or
+    /// behind a session pooler a session keeps its backend; behind a transaction pooler the
+    /// backend of one session, idle between its statements, serves the other session's
+    /// transaction, or the first session's next statement runs on another backend.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), idempotency::StoreError> {
+    /// use idempotency::PgStore;
+    /// // PgBouncer in transaction pooling mode on port 6432.
+    /// let store = PgStore::connect("postgres://shop:secret@127.0.0.1:6432/shop").await?;
+    /// let pooled = store.behind_transaction_pooler().await?;
+    /// let mut tx = store.pool().begin().await?;
+    /// sqlx::query("UPDATE accounts SET held = held + $1")
+    ///     .bind(100_i64)
+    ///     .persistent(!pooled)
+    ///     .execute(&mut *tx)
+    ///     .await?;
+    /// tx.commit().await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn behind_transaction_pooler(&self) -> Result<bool, StoreError> {
+        Ok(self.pooled().await?)
+    }
+
+    async fn pooled(&self) -> Result<bool, sqlx::Error> {
+        self.pooler
+            .get_or_try_init(|| detect_transaction_pooler(&self.pool))
+            .await
+            .copied()
+    }
+
+    /// Runs a statement of the store's own on the pool: alone on a direct connection; behind a
+    /// transaction pooler, unnamed and inside a transaction of its own.
+    async fn exec(&self, query: PgQuery<'_>) -> Result<PgQueryResult, sqlx::Error> {
+        if !self.pooled().await? {
+            return query.execute(&self.pool).await;
+        }
+        let mut tx = self.pool.begin().await?;
+        let done = query.persistent(false).execute(&mut *tx).await?;
+        tx.commit().await?;
+        Ok(done)
+    }
+
+    /// [`exec`](Self::exec) for a statement returning rows.
+    async fn rows(&self, query: PgQuery<'_>) -> Result<Vec<PgRow>, sqlx::Error> {
+        if !self.pooled().await? {
+            return query.fetch_all(&self.pool).await;
+        }
+        let mut tx = self.pool.begin().await?;
+        let rows = query.persistent(false).fetch_all(&mut *tx).await?;
+        tx.commit().await?;
+        Ok(rows)
+    }
+
+    /// [`rows`](Self::rows) for a statement returning at most one row.
+    async fn maybe_row(&self, query: PgQuery<'_>) -> Result<Option<PgRow>, sqlx::Error> {
+        Ok(self.rows(query).await?.into_iter().next())
+    }
+
+    /// [`rows`](Self::rows) for a statement returning one row.
+    async fn row(&self, query: PgQuery<'_>) -> Result<PgRow, sqlx::Error> {
+        self.maybe_row(query).await?.ok_or(sqlx::Error::RowNotFound)
+    }
+
+    /// Whether a statement run inside the caller's transaction may be named (cached).
+    async fn named(&self) -> Result<bool, sqlx::Error> {
+        Ok(!self.pooled().await?)
+    }
+}
+
+/// Whether `pool` reaches PostgreSQL through a transaction pooler ([`PgStore::behind_transaction_pooler`]):
+/// two connections of its own, simple-protocol statements only. Three rounds, in case another
+/// client took the idle backend in between (PgBouncer hands out the most recently used one first).
+async fn detect_transaction_pooler(pool: &PgPool) -> Result<bool, sqlx::Error> {
+    use sqlx::{Connection, Executor};
+    let options = pool.connect_options();
+    let mut first = PgConnection::connect_with(&options).await?;
+    let mut second = PgConnection::connect_with(&options).await?;
+    let mut pooled = false;
+    for _ in 0..3 {
+        let before = backend_pid(&mut first).await?;
+        second.execute("BEGIN").await?;
+        let other = backend_pid(&mut second).await?;
+        let after = backend_pid(&mut first).await?;
+        second.execute("ROLLBACK").await?;
+        if other == before || after != before {
+            pooled = true;
+            break;
+        }
+    }
+    let (_, _) = (first.close().await, second.close().await);
+    if pooled {
+        tracing::info!("PostgreSQL is reached through a transaction pooler: unnamed statements in transactions, waiters poll");
+    }
+    Ok(pooled)
+}
+
+/// `pg_backend_pid()`, by the simple protocol (a statement given as text, without arguments).
+async fn backend_pid(conn: &mut PgConnection) -> Result<i32, sqlx::Error> {
+    use sqlx::Executor;
+    conn.fetch_one("SELECT pg_backend_pid()").await?.try_get(0)
 }
 
 /// SQLSTATE 40001 (serialization failure) or 40P01 (deadlock): the statement lost a race.
@@ -228,6 +355,7 @@ impl Store for PgStore {
         let mut tx = self.pool.begin().await?;
         sqlx::query("SELECT pg_advisory_xact_lock($1)")
             .bind(MIGRATION_LOCK)
+            .persistent(false)
             .execute(&mut *tx)
             .await?;
         migration::apply_pending::<Postgres>(&mut tx, &BOOKKEEPING, MIGRATIONS).await?;
@@ -236,9 +364,8 @@ impl Store for PgStore {
     }
 
     async fn insert_pending(&self, row: &PendingRow<'_>) -> Result<Insertion, StoreError> {
-        let answer = bind_pending(sqlx::query(RESERVE), row)
-            .bind(reservation_durability(row))
-            .fetch_one(&self.pool)
+        let answer = self
+            .row(bind_pending(sqlx::query(RESERVE), row).bind(reservation_durability(row)))
             .await;
         let answer = match answer {
             Ok(answer) => answer,
@@ -256,15 +383,16 @@ impl Store for PgStore {
     }
 
     async fn find(&self, key: &IdempotencyKey) -> Result<Option<KeyRecord>, StoreError> {
-        sqlx::query(FIND)
-            .bind(key.scope())
-            .bind(key.operation())
-            .bind(key.key())
-            .fetch_optional(&self.pool)
-            .await?
-            .as_ref()
-            .map(record)
-            .transpose()
+        self.maybe_row(
+            sqlx::query(FIND)
+                .bind(key.scope())
+                .bind(key.operation())
+                .bind(key.key()),
+        )
+        .await?
+        .as_ref()
+        .map(record)
+        .transpose()
     }
 
     async fn find_replay(
@@ -272,17 +400,22 @@ impl Store for PgStore {
         key: &IdempotencyKey,
         fingerprint: &Fingerprint,
     ) -> Result<Option<Vec<u8>>, StoreError> {
-        let result: Option<Option<Vec<u8>>> = sqlx::query_scalar(
-            "SELECT result FROM idempotency_keys
-              WHERE scope = $1 AND operation = $2 AND idem_key = $3
-                AND state = 'completed' AND expires_at > now() AND fingerprint = $4",
-        )
-        .bind(key.scope())
-        .bind(key.operation())
-        .bind(key.key())
-        .bind(fingerprint.as_bytes().as_slice())
-        .fetch_optional(&self.pool)
-        .await?;
+        let row = self
+            .maybe_row(
+                sqlx::query(
+                    "SELECT result FROM idempotency_keys
+                      WHERE scope = $1 AND operation = $2 AND idem_key = $3
+                        AND state = 'completed' AND expires_at > now() AND fingerprint = $4",
+                )
+                .bind(key.scope())
+                .bind(key.operation())
+                .bind(key.key())
+                .bind(fingerprint.as_bytes().as_slice()),
+            )
+            .await?;
+        let result = row
+            .map(|row| row.try_get::<Option<Vec<u8>>, _>("result"))
+            .transpose()?;
         Ok(result.map(Option::unwrap_or_default))
     }
 
@@ -301,10 +434,7 @@ impl Store for PgStore {
                     OR (state = 'completed' AND expires_at <= now())
                     OR (state = 'pending' AND effects = 'local' AND lease_until <= now()))",
         );
-        let done = bind_pending(take_over, row)
-            .bind(stale.0)
-            .execute(&self.pool)
-            .await;
+        let done = self.exec(bind_pending(take_over, row).bind(stale.0)).await;
         match done {
             Ok(done) => Ok(done.rows_affected() == 1),
             // Someone else changed the row first; the caller reads it again.
@@ -339,23 +469,26 @@ impl Store for PgStore {
         .bind(token.0)
         .bind(result)
         .bind(millis(retention))
+        .persistent(self.named().await?)
         .execute(&mut **tx)
         .await?;
         Ok(done.rows_affected() == 1)
     }
 
     async fn release(&self, key: &IdempotencyKey, token: LeaseToken) -> Result<bool, StoreError> {
-        let done = sqlx::query(
-            "DELETE FROM idempotency_keys
+        let done = self
+            .exec(
+                sqlx::query(
+                    "DELETE FROM idempotency_keys
              WHERE scope = $1 AND operation = $2 AND idem_key = $3
                AND state = 'pending' AND lease_token = $4",
-        )
-        .bind(key.scope())
-        .bind(key.operation())
-        .bind(key.key())
-        .bind(token.0)
-        .execute(&self.pool)
-        .await?;
+                )
+                .bind(key.scope())
+                .bind(key.operation())
+                .bind(key.key())
+                .bind(token.0),
+            )
+            .await?;
         Ok(done.rows_affected() == 1)
     }
 
@@ -365,7 +498,7 @@ impl Store for PgStore {
         token: LeaseToken,
         reason: &str,
     ) -> Result<bool, StoreError> {
-        let done = sqlx::query(
+        let done = self.exec(sqlx::query(
             "UPDATE idempotency_keys SET state = 'needs_review', reason = $5, updated_at = now()
              WHERE scope = $1 AND operation = $2 AND idem_key = $3
                AND state = 'pending' AND lease_token = $4",
@@ -374,8 +507,7 @@ impl Store for PgStore {
         .bind(key.operation())
         .bind(key.key())
         .bind(token.0)
-        .bind(reason)
-        .execute(&self.pool)
+        .bind(reason))
         .await?;
         Ok(done.rows_affected() == 1)
     }
@@ -386,7 +518,7 @@ impl Store for PgStore {
         token: LeaseToken,
         lease: Duration,
     ) -> Result<bool, StoreError> {
-        let done = sqlx::query(
+        let done = self.exec(sqlx::query(
             "UPDATE idempotency_keys SET lease_until = now() + $5 * INTERVAL '1 millisecond'
              WHERE scope = $1 AND operation = $2 AND idem_key = $3
                AND state = 'pending' AND lease_token = $4",
@@ -395,8 +527,7 @@ impl Store for PgStore {
         .bind(key.operation())
         .bind(key.key())
         .bind(token.0)
-        .bind(millis(lease))
-        .execute(&self.pool)
+        .bind(millis(lease)))
         .await?;
         Ok(done.rows_affected() == 1)
     }
@@ -472,6 +603,7 @@ impl super::Journal for PgStore {
         .bind(progress.recovery_point)
         .bind(progress.journal)
         .bind(progress.request)
+        .persistent(self.named().await?)
         .execute(&mut **tx)
         .await?;
         Ok(done.rows_affected() == 1)
@@ -489,6 +621,7 @@ impl super::ReserveInTransaction for PgStore {
         let wait_ms = millis(wait).max(1).to_string();
         let answer = bind_pending(sqlx::query(RESERVE_IN), row)
             .bind(wait_ms)
+            .persistent(self.named().await?)
             .fetch_one(&mut **tx)
             .await
             .and_then(|answer| answer.try_get::<bool, _>("inserted"));
@@ -523,13 +656,14 @@ impl super::CompletionSignal for PgStore {
     /// commit rate of 32 concurrent writers by about three (pgbench on this machine), for every
     /// completion whether anyone waits or not.
     async fn notify_settled(&self, key: &IdempotencyKey) -> Result<(), StoreError> {
-        sqlx::query(
-            "WITH durability AS (SELECT set_config('synchronous_commit', 'off', true) AS level)
+        self.exec(
+            sqlx::query(
+                "WITH durability AS (SELECT set_config('synchronous_commit', 'off', true) AS level)
              SELECT pg_notify($1, $2)::TEXT AS notified FROM durability",
+            )
+            .bind(COMPLETION_CHANNEL)
+            .bind(completion_payload(key)),
         )
-        .bind(COMPLETION_CHANNEL)
-        .bind(completion_payload(key))
-        .execute(&self.pool)
         .await?;
         Ok(())
     }
@@ -558,11 +692,8 @@ const LIST: &str = concat!(
 impl PgStore {
     /// Runs a conditional statement; a serialization failure or deadlock (possible under a
     /// SERIALIZABLE server default) means another session changed the row first: `Ok(false)`.
-    async fn conditional(
-        &self,
-        query: sqlx::query::Query<'_, Postgres, sqlx::postgres::PgArguments>,
-    ) -> Result<bool, StoreError> {
-        match query.execute(&self.pool).await {
+    async fn conditional(&self, query: PgQuery<'_>) -> Result<bool, StoreError> {
+        match self.exec(query).await {
             Ok(done) => Ok(done.rows_affected() == 1),
             Err(e) if lost_race(&e) => Ok(false),
             Err(e) => Err(e.into()),
@@ -572,9 +703,7 @@ impl PgStore {
 
 impl super::Maintenance for PgStore {
     async fn expired_leases(&self, limit: u32) -> Result<Vec<KeyRecord>, StoreError> {
-        sqlx::query(EXPIRED_LEASES)
-            .bind(i64::from(limit))
-            .fetch_all(&self.pool)
+        self.rows(sqlx::query(EXPIRED_LEASES).bind(i64::from(limit)))
             .await?
             .iter()
             .map(record)
@@ -617,18 +746,20 @@ impl super::Maintenance for PgStore {
         // rescanned and delete more than `n` rows; a join on a CTE was planned as a hash join over
         // the whole table; an ORDER BY sorts every expired row when the planner picks a bitmap
         // scan (as it does before the table is analysed). Each is O(table) per batch.
-        let done = sqlx::query(
-            "DELETE FROM idempotency_keys
+        let done = self
+            .exec(
+                sqlx::query(
+                    "DELETE FROM idempotency_keys
              WHERE ctid = ANY (ARRAY(
                  SELECT ctid FROM idempotency_keys
                  WHERE state IN ('completed', 'failed') AND expires_at <= now()
                  LIMIT $1
                  FOR UPDATE SKIP LOCKED))
                AND state IN ('completed', 'failed') AND expires_at <= now()",
-        )
-        .bind(i64::from(batch))
-        .execute(&self.pool)
-        .await;
+                )
+                .bind(i64::from(batch)),
+            )
+            .await;
         match done {
             Ok(done) => Ok(done.rows_affected()),
             Err(e) if lost_race(&e) => Ok(0),
@@ -637,27 +768,29 @@ impl super::Maintenance for PgStore {
     }
 
     async fn count_purgeable(&self) -> Result<u64, StoreError> {
-        let count: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM idempotency_keys
-             WHERE state IN ('completed', 'failed') AND expires_at <= now()",
-        )
-        .fetch_one(&self.pool)
-        .await?;
+        let count: i64 = self
+            .row(sqlx::query(
+                "SELECT count(*) AS n FROM idempotency_keys
+                 WHERE state IN ('completed', 'failed') AND expires_at <= now()",
+            ))
+            .await?
+            .try_get("n")?;
         Ok(count.max(0) as u64)
     }
 
     async fn list(&self, filter: &super::KeyFilter) -> Result<Vec<KeyRecord>, StoreError> {
-        sqlx::query(LIST)
-            .bind(filter.state.map(|s| s.as_str()))
-            .bind(filter.scope.as_deref())
-            .bind(filter.operation.as_deref())
-            .bind(filter.older_than.map(millis))
-            .bind(i64::from(filter.limit))
-            .fetch_all(&self.pool)
-            .await?
-            .iter()
-            .map(record)
-            .collect()
+        self.rows(
+            sqlx::query(LIST)
+                .bind(filter.state.map(|s| s.as_str()))
+                .bind(filter.scope.as_deref())
+                .bind(filter.operation.as_deref())
+                .bind(filter.older_than.map(millis))
+                .bind(i64::from(filter.limit)),
+        )
+        .await?
+        .iter()
+        .map(record)
+        .collect()
     }
 
     async fn resolve(
@@ -691,12 +824,12 @@ impl super::Maintenance for PgStore {
     }
 
     async fn stats(&self) -> Result<super::KeyStats, StoreError> {
-        let rows = sqlx::query(
-            "SELECT operation, state, count(*) AS n FROM idempotency_keys
+        let rows = self
+            .rows(sqlx::query(
+                "SELECT operation, state, count(*) AS n FROM idempotency_keys
              GROUP BY operation, state ORDER BY operation, state",
-        )
-        .fetch_all(&self.pool)
-        .await?;
+            ))
+            .await?;
         let counts = rows
             .iter()
             .map(|row| {
@@ -707,17 +840,17 @@ impl super::Maintenance for PgStore {
                 })
             })
             .collect::<Result<Vec<_>, StoreError>>()?;
-        let summary = sqlx::query(
-            "SELECT
+        let summary = self
+            .row(sqlx::query(
+                "SELECT
                 (SELECT CEIL(EXTRACT(EPOCH FROM (now() - min(created_at))) * 1000)::BIGINT
                    FROM idempotency_keys WHERE state = 'pending') AS oldest_pending_ms,
                 (SELECT count(*) FROM idempotency_keys
                   WHERE state = 'pending' AND lease_until <= now()) AS expired_leases,
                 (SELECT count(*) FROM idempotency_keys
                   WHERE state IN ('completed', 'failed') AND expires_at <= now()) AS purgeable",
-        )
-        .fetch_one(&self.pool)
-        .await?;
+            ))
+            .await?;
         Ok(super::KeyStats {
             counts,
             oldest_pending_age: summary
@@ -887,7 +1020,9 @@ impl Completions {
         let subscription = self.subscribe(completion_payload(key));
         let mut pause = super::POLL_FIRST;
         loop {
-            let listening = self.ensure_listening(&store.pool);
+            // Behind a transaction pooler a LISTEN would be left on a server connection other
+            // clients get: poll.
+            let listening = !store.pooled().await? && self.ensure_listening(&store.pool);
             let notified = subscription.notify.notified();
             tokio::pin!(notified);
             // Registered before the read: a notification from here on wakes this waiter.

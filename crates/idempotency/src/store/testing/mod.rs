@@ -115,6 +115,7 @@ macro_rules! business_table {
                         "CREATE TABLE IF NOT EXISTS idempotency_conformance_effects \
                          (trial VARCHAR(200) NOT NULL)",
                     )
+                    .persistent(false)
                     .execute(&mut **tx)
                     .await
                     .map(drop)
@@ -130,7 +131,12 @@ macro_rules! business_table {
                         "INSERT INTO idempotency_conformance_effects (trial) VALUES ('{}')",
                         literal(trial)
                     );
-                    sqlx::query(&sql).execute(&mut **tx).await.map(drop)
+                    // Unnamed: the statements also run behind a transaction pooler.
+                    sqlx::query(&sql)
+                        .persistent(false)
+                        .execute(&mut **tx)
+                        .await
+                        .map(drop)
                 })
             }
 
@@ -144,6 +150,7 @@ macro_rules! business_table {
                         literal(trial)
                     );
                     sqlx::query_scalar::<_, i64>(&sql)
+                        .persistent(false)
                         .fetch_one(&mut **tx)
                         .await
                 })
