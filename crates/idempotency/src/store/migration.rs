@@ -98,7 +98,7 @@ async fn record<DB>(
     migration: &Migration,
 ) -> Result<(), StoreError>
 where
-    DB: sqlx::Database,
+    DB: sqlx::Database + sqlx::database::HasStatementCache,
     for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
     for<'q> <DB as sqlx::Database>::Arguments<'q>: sqlx::IntoArguments<'q, DB>,
     for<'q> i64: sqlx::Encode<'q, DB> + sqlx::Type<DB>,

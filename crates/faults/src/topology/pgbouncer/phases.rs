@@ -253,6 +253,7 @@ async fn order_until_settled(
         statuses: Default::default(),
         replays: 0,
         bare_5xx: 0,
+        unhinted_503: 0,
     };
     let deadline = Instant::now() + limit;
     while Instant::now() < deadline {
