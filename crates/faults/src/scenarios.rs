@@ -1028,7 +1028,7 @@ pub async fn abandon(env: &Env, backend: ShopDatabase, kills: usize) -> Result<(
     Ok(())
 }
 
-fn answers(by_status: &BTreeMap<u16, usize>) -> String {
+pub(crate) fn answers(by_status: &BTreeMap<u16, usize>) -> String {
     by_status
         .iter()
         .map(|(status, n)| match status {

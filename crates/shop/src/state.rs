@@ -47,9 +47,12 @@ pub struct Config {
     /// stored response instead of a 409 (`IdempotencyLayer::with_wait_for_in_flight`); `None`: 409 at
     /// once.
     pub wait_for_in_flight: Option<Duration>,
-    /// The broker the outbox relay publishes purchase events to (`amqp://…`); `None`: no
-    /// outbox rows are written and no relay runs.
+    /// The broker the outbox relay publishes purchase events to (`amqp://…`, or the
+    /// comma-separated URLs of a cluster's nodes); `None`: no outbox rows are written and no
+    /// relay runs.
     pub amqp_url: Option<String>,
+    /// Declare the purchase events' queues as quorum queues (a RabbitMQ cluster).
+    pub amqp_quorum_queues: bool,
     /// The share of outbox rows the relay publishes twice on purpose (fault proof).
     pub outbox_duplicate_share: f64,
 }
@@ -70,6 +73,7 @@ impl Config {
             worker_interval: Some(Duration::from_secs(1)),
             wait_for_in_flight: None,
             amqp_url: None,
+            amqp_quorum_queues: false,
             outbox_duplicate_share: 0.0,
         }
     }
