@@ -570,7 +570,8 @@ async fn quorum_queues_carry_the_messages_and_refuse_a_classic_redeclaration() {
     topology.declare(&setup).await.unwrap();
     // Both queues are quorum queues: declared as classic ones, the broker refuses them.
     let classic = Topology::new(topology.queue());
-    let refused = classic.declare(&connection.create_channel().await.unwrap());
+    let other_channel = connection.create_channel().await.unwrap();
+    let refused = classic.declare(&other_channel);
     assert!(
         refused.await.is_err(),
         "the work queue is not a quorum queue"
