@@ -6,6 +6,12 @@ use anyhow::{ensure, Context, Result};
 
 /// Runs `command` (program and arguments) followed by `extra`, and fails unless it exits 0.
 pub async fn run(command: &[String], extra: &[&str]) -> Result<()> {
+    output(command, extra).await?;
+    Ok(())
+}
+
+/// [`run`], returning what the command printed on its standard output.
+pub async fn output(command: &[String], extra: &[&str]) -> Result<String> {
     let (program, args) = command.split_first().context("an empty command")?;
     let out = tokio::process::Command::new(program)
         .args(args)
@@ -22,7 +28,7 @@ pub async fn run(command: &[String], extra: &[&str]) -> Result<()> {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
-    Ok(())
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
 /// Splits a command given as one string on whitespace (`"pg_ctlcluster 15 main"`).

@@ -53,16 +53,16 @@ pub struct Plan {
 }
 
 /// A `shop worker` process that can be SIGKILLed and started again.
-struct WorkerProcess {
+pub(crate) struct WorkerProcess {
     bin: std::path::PathBuf,
     args: Vec<String>,
     child: Option<Child>,
-    log: std::path::PathBuf,
-    starts: usize,
+    pub(crate) log: std::path::PathBuf,
+    pub(crate) starts: usize,
 }
 
 impl WorkerProcess {
-    async fn start(bin: &Path, args: Vec<String>) -> Result<Self> {
+    pub(crate) async fn start(bin: &Path, args: Vec<String>) -> Result<Self> {
         let log = std::env::temp_dir().join(format!("faults-worker-{}.log", std::process::id()));
         let mut worker = Self {
             bin: bin.to_path_buf(),
@@ -75,13 +75,13 @@ impl WorkerProcess {
         Ok(worker)
     }
 
-    fn spawn(&mut self) -> Result<()> {
+    pub(crate) fn spawn(&mut self) -> Result<()> {
         self.child = Some(spawn_logged(&self.bin, &self.args, &self.log)?);
         self.starts += 1;
         Ok(())
     }
 
-    async fn kill9(&mut self) -> Result<()> {
+    pub(crate) async fn kill9(&mut self) -> Result<()> {
         if let Some(mut child) = self.child.take() {
             child.start_kill()?;
             child.wait().await?;
@@ -89,14 +89,14 @@ impl WorkerProcess {
         Ok(())
     }
 
-    fn exited(&mut self) -> Result<Option<std::process::ExitStatus>> {
+    pub(crate) fn exited(&mut self) -> Result<Option<std::process::ExitStatus>> {
         match self.child.as_mut() {
             Some(child) => Ok(child.try_wait()?),
             None => Ok(None),
         }
     }
 
-    fn panicked(&self) -> bool {
+    pub(crate) fn panicked(&self) -> bool {
         std::fs::read_to_string(&self.log).is_ok_and(|log| log.contains("panicked"))
     }
 }
@@ -107,11 +107,10 @@ async fn rabbitmq(ctl: &[String], verb: &str) -> Result<()> {
     Ok(())
 }
 
-/// Empties the queue and its dead-letter queue (left by an earlier run).
-async fn purge(amqp_url: &str) -> Result<()> {
+/// Declares `topology` and empties its queue and dead-letter queue (left by an earlier run).
+pub(crate) async fn purge(amqp_url: &str, topology: &Topology) -> Result<()> {
     let connection = Connection::connect(amqp_url, ConnectionProperties::default()).await?;
     let channel = connection.create_channel().await?;
-    let topology = Topology::new(QUEUE);
     topology.declare(&channel).await?;
     for queue in [topology.queue(), topology.dead_letter_queue()] {
         channel
@@ -123,7 +122,7 @@ async fn purge(amqp_url: &str) -> Result<()> {
 }
 
 /// Messages ready in `queue` (unacked ones are not counted by the broker's answer).
-async fn ready(amqp_url: &str, queue: &str) -> Result<u32> {
+pub(crate) async fn ready(amqp_url: &str, queue: &str) -> Result<u32> {
     let connection = Connection::connect(amqp_url, ConnectionProperties::default()).await?;
     let channel = connection.create_channel().await?;
     let declared = channel
@@ -174,19 +173,19 @@ async fn dead_letters(amqp_url: &str) -> Result<Vec<(String, Option<String>)>> {
 
 /// What the database says once the flow settled.
 #[derive(Debug, Default)]
-struct Tally {
-    purchases: i64,
-    outbox: i64,
-    grants: i64,
-    grants_off: i64,
-    keys: BTreeMap<String, i64>,
-    mails_doubled: i64,
-    receipts: i64,
-    receipts_without_mail: i64,
-    parked: HashSet<String>,
+pub(crate) struct Tally {
+    pub(crate) purchases: i64,
+    pub(crate) outbox: i64,
+    pub(crate) grants: i64,
+    pub(crate) grants_off: i64,
+    pub(crate) keys: BTreeMap<String, i64>,
+    pub(crate) mails_doubled: i64,
+    pub(crate) receipts: i64,
+    pub(crate) receipts_without_mail: i64,
+    pub(crate) parked: HashSet<String>,
 }
 
-async fn tally(pool: &PgPool) -> Result<Tally> {
+pub(crate) async fn tally(pool: &PgPool) -> Result<Tally> {
     let scalar = |sql: &'static str| async move {
         sqlx::query_scalar::<_, i64>(sql)
             .fetch_one(pool)
@@ -240,7 +239,9 @@ pub async fn consumer_kill9(env: &Env, plan: Plan, rabbitmq_ctl: &[String]) -> R
     };
     let amqp_url = std::env::var("TEST_AMQP_URL")
         .context("TEST_AMQP_URL must name the RabbitMQ broker (. .ci/rabbitmq.sh)")?;
-    purge(&amqp_url).await.context("preparing the queues")?;
+    purge(&amqp_url, &Topology::new(QUEUE))
+        .await
+        .context("preparing the queues")?;
     let database = test_support::fresh_postgres_url()
         .await
         .context("TEST_POSTGRES_URL must name the PostgreSQL server")?;

@@ -19,7 +19,8 @@
 //! Prefetch (`basic.qos`) bounds what the broker sends ahead, and a semaphore the deliveries
 //! handled at once. [`AmqpConsumer::run_until`] and [`RunningConsumer::shutdown`] stop
 //! gracefully: cancel the consumer, requeue what was received but not started, finish what is
-//! running. [`Topology`] declares the queue with its dead-letter exchange and queue.
+//! running. [`Topology`] declares the queue with its dead-letter exchange and queue (quorum queues
+//! on a cluster), and [`Brokers`] connects to the cluster's nodes in turn.
 //!
 //! ```no_run
 //! use idempotency::{Idempotency, SqliteStore, Store, queue::{DeliveryAction, Inbox}};
@@ -60,11 +61,13 @@
 
 #![warn(missing_docs)]
 
+mod brokers;
 mod consumer;
 mod incoming;
 mod report;
 mod topology;
 
+pub use brokers::Brokers;
 pub use consumer::{AmqpConsumer, Handler, RunningConsumer};
 pub use incoming::Incoming;
 pub use report::{ConsumerError, ConsumerReport};

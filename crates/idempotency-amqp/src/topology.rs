@@ -15,6 +15,8 @@ use lapin::{
 /// * the dead-letter exchange `{name}.dlx` (durable, direct);
 /// * the dead-letter queue `{name}.dead-letter` (durable), bound to it with the routing key `name`.
 ///
+/// Classic queues by default; [`quorum`](Self::quorum) for replicated ones (a cluster).
+///
 /// [`AmqpConsumer::for_topology`](crate::AmqpConsumer::for_topology) republishes dead letters to
 /// that exchange with the reason in headers (see [`headers`](crate::headers)).
 ///
@@ -30,6 +32,7 @@ pub struct Topology {
     dead_letter_exchange: String,
     dead_letter_queue: String,
     delivery_limit: Option<u32>,
+    quorum: bool,
 }
 
 impl Topology {
@@ -40,7 +43,26 @@ impl Topology {
             dead_letter_exchange: format!("{queue}.dlx"),
             dead_letter_queue: format!("{queue}.dead-letter"),
             delivery_limit: None,
+            quorum: false,
         }
+    }
+
+    /// Declares the work queue **and** the dead-letter queue as **quorum queues**
+    /// (`x-queue-type: quorum`): replicated on the cluster's nodes, they keep every confirmed
+    /// message while a minority of nodes is down, where a classic queue lives on one node only.
+    /// What a cluster needs (with [`Brokers`](crate::Brokers) to reconnect to another node).
+    /// Works on a single node too, but a queue that exists already as a classic queue must be
+    /// deleted (or given another name) first: the broker refuses to redeclare a queue as
+    /// another type. Needs RabbitMQ ≥ 3.8.
+    pub fn quorum(mut self) -> Self {
+        self.quorum = true;
+        self
+    }
+
+    /// Whether the work queue is a quorum queue ([`quorum`](Self::quorum), or implied by
+    /// [`with_delivery_limit`](Self::with_delivery_limit)).
+    pub fn is_quorum(&self) -> bool {
+        self.quorum || self.delivery_limit.is_some()
     }
 
     /// Declares the queue as a **quorum queue** with `x-delivery-limit = limit`: the broker
@@ -91,11 +113,15 @@ impl Topology {
                 FieldTable::default(),
             )
             .await?;
+        let mut dead_letter_arguments = FieldTable::default();
+        if self.quorum {
+            dead_letter_arguments.insert("x-queue-type".into(), text("quorum"));
+        }
         channel
             .queue_declare(
                 self.dead_letter_queue.as_str().into(),
                 durable,
-                FieldTable::default(),
+                dead_letter_arguments,
             )
             .await?;
         channel
@@ -124,8 +150,10 @@ impl Topology {
             "x-dead-letter-routing-key".into(),
             text(self.dead_letter_routing_key()),
         );
-        if let Some(limit) = self.delivery_limit {
+        if self.is_quorum() {
             arguments.insert("x-queue-type".into(), text("quorum"));
+        }
+        if let Some(limit) = self.delivery_limit {
             arguments.insert(
                 "x-delivery-limit".into(),
                 AMQPValue::LongLongInt(i64::from(limit)),

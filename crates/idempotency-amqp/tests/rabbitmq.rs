@@ -12,7 +12,7 @@ use idempotency::{
     queue::{DeliveryAction, Inbox},
     Idempotency, SqliteStore,
 };
-use idempotency_amqp::{headers, AmqpConsumer, Incoming, Topology};
+use idempotency_amqp::{headers, AmqpConsumer, Brokers, Incoming, Topology};
 use lapin::{
     options::BasicGetOptions,
     types::{AMQPValue, FieldTable},
@@ -552,4 +552,116 @@ async fn a_quorum_queue_dead_letters_a_message_that_keeps_crashing_the_consumer(
     assert_eq!(ready(&setup, topology.queue()).await, 0);
     assert_eq!(store.applied("order-9").await, 0);
     delete(&setup, &topology).await;
+}
+
+/// `Topology::quorum` declares both queues as quorum queues (the broker then refuses them as
+/// classic ones), redeclares them alike, and the consumer applies each message once from them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn quorum_queues_carry_the_messages_and_refuse_a_classic_redeclaration() {
+    const MESSAGES: usize = 20;
+    let Some(connection) = broker().await else {
+        return;
+    };
+    let store = SqliteStore::open().await.unwrap();
+    let setup = connection.create_channel().await.unwrap();
+    let topology = Topology::new(&unique("quorum")).quorum();
+    assert!(topology.is_quorum());
+    topology.declare(&setup).await.unwrap();
+    topology.declare(&setup).await.unwrap();
+    // Both queues are quorum queues: declared as classic ones, the broker refuses them.
+    let classic = Topology::new(topology.queue());
+    let other_channel = connection.create_channel().await.unwrap();
+    let refused = classic.declare(&other_channel);
+    assert!(
+        refused.await.is_err(),
+        "the work queue is not a quorum queue"
+    );
+    let dead_letters_as_classic = connection
+        .create_channel()
+        .await
+        .unwrap()
+        .queue_declare(
+            topology.dead_letter_queue().into(),
+            lapin::options::QueueDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await;
+    assert!(
+        dead_letters_as_classic.is_err(),
+        "the dead-letter queue is not a quorum queue"
+    );
+
+    let publishing = publisher(&connection).await;
+    for n in 0..MESSAGES {
+        for _ in 0..2 {
+            let id = format!("order-{n}");
+            publish(
+                &publishing,
+                topology.queue(),
+                json_properties(Some(&id)),
+                br#"{"cents": 100}"#,
+            )
+            .await;
+        }
+    }
+    let acks = Arc::new(AtomicU64::new(0));
+    let channel = connection.create_channel().await.unwrap();
+    let running =
+        AmqpConsumer::for_topology(channel, &topology, inbox(&store), applying(acks.clone()))
+            .spawn();
+    wait_until("every copy is acked", || {
+        let acks = acks.clone();
+        async move { acks.load(Ordering::SeqCst) == 2 * MESSAGES as u64 }
+    })
+    .await;
+    let report = running.shutdown().await.unwrap();
+    assert_eq!(
+        (report.executed, report.replayed),
+        (MESSAGES as u64, MESSAGES as u64),
+        "{report}"
+    );
+    assert_eq!(store.applied_total().await, MESSAGES as i64);
+    assert_eq!(ready(&setup, topology.queue()).await, 0);
+    delete(&setup, &topology).await;
+}
+
+/// `Brokers` passes over a node that refuses, and starts each connection after the node it
+/// connected to last (what a client reconnecting after its node died needs).
+#[tokio::test]
+async fn brokers_pass_over_a_node_that_refuses_and_turn_to_the_next() {
+    let Some(connection) = broker().await else {
+        return;
+    };
+    let _ = connection.close(200, "only checking".into()).await;
+    let url = std::env::var("TEST_AMQP_URL").unwrap();
+    // Nothing listens on port 1.
+    let refusing = "amqp://idem:idem@127.0.0.1:1/idem";
+    let properties = lapin::ConnectionProperties::default;
+
+    let mut brokers = Brokers::parse(&format!("{refusing}, {url}"));
+    assert_eq!(brokers.urls(), [refusing, url.as_str()]);
+    for _ in 0..2 {
+        let (connection, index) = brokers.connect(properties()).await.unwrap();
+        assert_eq!(index, 1, "connected to the refusing node");
+        connection.close(200, "done".into()).await.unwrap();
+    }
+
+    let mut brokers = Brokers::new([url.as_str(), url.as_str(), url.as_str()]);
+    let mut turns = Vec::new();
+    for _ in 0..4 {
+        let (connection, index) = brokers.connect(properties()).await.unwrap();
+        turns.push(index);
+        connection.close(200, "done".into()).await.unwrap();
+    }
+    assert_eq!(turns, [0, 1, 2, 0]);
+
+    let mut nobody = Brokers::new([refusing]);
+    assert!(nobody.connect(properties()).await.is_err());
+    assert!(Brokers::new(Vec::<String>::new())
+        .connect(properties())
+        .await
+        .is_err());
 }

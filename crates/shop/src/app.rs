@@ -60,6 +60,7 @@ pub async fn start(config: &Config, listen: &str) -> anyhow::Result<Running> {
         .map(|interval| app.spawn_worker(interval));
     let relay = config.amqp_url.as_ref().map(|url| {
         let relay = crate::outbox::Relay::new(app.db().clone(), url)
+            .with_quorum_queues(config.amqp_quorum_queues)
             .with_duplicate_share(config.outbox_duplicate_share);
         tokio::spawn(relay.run())
     });

@@ -89,9 +89,14 @@ struct ServeArgs {
     #[arg(long, default_value_t = 0)]
     single_transaction_ms: u64,
     /// Write each paid purchase's event into the outbox and relay it to this RabbitMQ broker
-    /// (`amqp://USER:PASS@HOST:PORT/VHOST`), for `shop worker`.
+    /// (`amqp://USER:PASS@HOST:PORT/VHOST`), for `shop worker`; on a cluster, the
+    /// comma-separated URLs of its nodes, tried in turn on each reconnection.
     #[arg(long, env = "SHOP_AMQP_URL")]
     amqp_url: Option<String>,
+    /// Declare the purchase events' queues as quorum queues (a RabbitMQ cluster; `shop worker`
+    /// must say the same).
+    #[arg(long, env = "SHOP_AMQP_QUORUM_QUEUES")]
+    amqp_quorum_queues: bool,
     /// Also consume the purchase events in this process (what `shop worker` does), so that one
     /// command runs the shop and its worker; needs `--amqp-url`.
     #[arg(long, requires = "amqp_url")]
@@ -158,6 +163,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     config.single_transaction =
         (args.single_transaction_ms > 0).then(|| Duration::from_millis(args.single_transaction_ms));
     config.amqp_url = args.amqp_url.clone();
+    config.amqp_quorum_queues = args.amqp_quorum_queues;
     config.outbox_duplicate_share = args.outbox_duplicate_share;
     let running = app::start(&config, &args.listen).await?;
     let _trimming = (args.heap_trim_ms > 0)
@@ -166,6 +172,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         let consuming = WorkerArgs {
             database_url: args.database_url.clone(),
             amqp_url,
+            amqp_quorum_queues: args.amqp_quorum_queues,
             prefetch: 32,
             concurrency: 8,
             mail_fail_rate: args.mail_fail_rate,

@@ -7,10 +7,10 @@
 
 use crate::db::{sql, Conn, ShopDb};
 use anyhow::Context;
-use idempotency_amqp::Topology;
+use idempotency_amqp::{Brokers, Topology};
 use lapin::{
     options::{BasicPublishOptions, ConfirmSelectOptions},
-    BasicProperties, Confirmation, Connection, ConnectionProperties,
+    BasicProperties, Confirmation, ConnectionProperties,
 };
 use rand::Rng;
 use serde::{Deserialize, Serialize};
@@ -18,6 +18,16 @@ use std::time::Duration;
 
 /// The queue the purchase events go to (with its dead-letter exchange and queue).
 pub const PURCHASES_QUEUE: &str = "shop.purchases";
+
+/// The topology of [`PURCHASES_QUEUE`]: quorum queues (a RabbitMQ cluster) or classic ones.
+pub fn purchases_topology(quorum: bool) -> Topology {
+    let topology = Topology::new(PURCHASES_QUEUE);
+    if quorum {
+        topology.quorum()
+    } else {
+        topology
+    }
+}
 
 /// The message type (AMQP `type` property) of a paid purchase's event.
 pub const PURCHASE_PAID: &str = "purchase.paid";
@@ -82,25 +92,35 @@ pub async fn pending(db: &ShopDb) -> Result<i64, sqlx::Error> {
 }
 
 /// The relay: publishes the outbox to [`PURCHASES_QUEUE`] with publisher confirms, then deletes
-/// what the broker confirmed. It reconnects after a broker failure; what was published but not
-/// yet deleted is published again (the consumer removes the duplicate).
+/// what the broker confirmed. It reconnects after a broker failure, to the next node of a
+/// cluster ([`Brokers`]); what was published but not yet deleted is published again (the
+/// consumer removes the duplicate).
 #[derive(Debug, Clone)]
 pub struct Relay {
     db: ShopDb,
-    amqp_url: String,
+    brokers: Brokers,
+    topology: Topology,
     batch: i64,
     duplicate_share: f64,
 }
 
 impl Relay {
-    /// A relay from `db`'s outbox to the broker at `amqp_url`.
-    pub fn new(db: ShopDb, amqp_url: impl Into<String>) -> Self {
+    /// A relay from `db`'s outbox to the broker at `amqp_url`: one URL, or the comma-separated
+    /// URLs of a cluster's nodes (see [`Brokers::parse`]).
+    pub fn new(db: ShopDb, amqp_url: &str) -> Self {
         Self {
             db,
-            amqp_url: amqp_url.into(),
+            brokers: Brokers::parse(amqp_url),
+            topology: purchases_topology(false),
             batch: 100,
             duplicate_share: 0.0,
         }
+    }
+
+    /// Declares the queues as quorum queues (a cluster; see [`purchases_topology`]).
+    pub fn with_quorum_queues(mut self, quorum: bool) -> Self {
+        self.topology = purchases_topology(quorum);
+        self
     }
 
     /// Publishes this share of the rows twice on purpose (the fault proof's duplicates, as a
@@ -113,8 +133,9 @@ impl Relay {
     /// Runs until the task is dropped: relays, and after any failure (broker down, database
     /// unreachable) waits half a second and starts again.
     pub async fn run(self) {
+        let mut brokers = self.brokers.clone();
         loop {
-            if let Err(error) = self.relay().await {
+            if let Err(error) = self.relay(&mut brokers).await {
                 tracing::warn!(
                     error = format!("{error:#}"),
                     "outbox relay failed; retrying"
@@ -124,15 +145,17 @@ impl Relay {
         }
     }
 
-    async fn relay(&self) -> anyhow::Result<()> {
-        let connection = Connection::connect(&self.amqp_url, ConnectionProperties::default())
+    async fn relay(&self, brokers: &mut Brokers) -> anyhow::Result<()> {
+        let (connection, node) = brokers
+            .connect(ConnectionProperties::default())
             .await
             .context("connecting to the broker")?;
+        tracing::info!(node, "outbox relay connected");
         let channel = connection.create_channel().await?;
         channel
             .confirm_select(ConfirmSelectOptions::default())
             .await?;
-        Topology::new(PURCHASES_QUEUE).declare(&channel).await?;
+        self.topology.declare(&channel).await?;
         loop {
             let rows = self.next_rows().await?;
             if rows.is_empty() {

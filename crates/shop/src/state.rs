@@ -51,9 +51,12 @@ pub struct Config {
     /// at most this long for the holder's commit (`Idempotency::with_single_transaction`;
     /// PostgreSQL and MariaDB; `None`: off).
     pub single_transaction: Option<Duration>,
-    /// The broker the outbox relay publishes purchase events to (`amqp://…`); `None`: no
-    /// outbox rows are written and no relay runs.
+    /// The broker the outbox relay publishes purchase events to (`amqp://…`, or the
+    /// comma-separated URLs of a cluster's nodes); `None`: no outbox rows are written and no
+    /// relay runs.
     pub amqp_url: Option<String>,
+    /// Declare the purchase events' queues as quorum queues (a RabbitMQ cluster).
+    pub amqp_quorum_queues: bool,
     /// The share of outbox rows the relay publishes twice on purpose (fault proof).
     pub outbox_duplicate_share: f64,
 }
@@ -75,6 +78,7 @@ impl Config {
             wait_for_in_flight: None,
             single_transaction: None,
             amqp_url: None,
+            amqp_quorum_queues: false,
             outbox_duplicate_share: 0.0,
         }
     }

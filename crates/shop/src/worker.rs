@@ -9,7 +9,7 @@
 use crate::{
     db::StoreConn,
     events::PurchaseEvents,
-    outbox::{PurchasePaid, PURCHASES_QUEUE},
+    outbox::{purchases_topology, PurchasePaid, PURCHASES_QUEUE},
     providers::Faults,
     state::{App, Config, Engine},
 };
@@ -18,8 +18,8 @@ use idempotency::{
     queue::{DeadLetter, DeliveryAction, Inbox},
     Idempotency,
 };
-use idempotency_amqp::{AmqpConsumer, Incoming, Topology};
-use lapin::{Connection, ConnectionProperties};
+use idempotency_amqp::{AmqpConsumer, Brokers, Incoming};
+use lapin::ConnectionProperties;
 use std::{sync::Arc, time::Duration};
 
 /// Options of `shop worker`.
@@ -28,13 +28,18 @@ pub struct WorkerArgs {
     /// The shop's database (the same as the shop's).
     #[arg(long, env = "SHOP_DATABASE_URL", default_value = "sqlite://shop.db")]
     pub database_url: String,
-    /// The broker.
+    /// The broker: one URL, or the comma-separated URLs of a cluster's nodes (tried in turn on
+    /// each reconnection).
     #[arg(
         long,
         env = "SHOP_AMQP_URL",
         default_value = "amqp://guest:guest@127.0.0.1:5672/%2f"
     )]
     pub amqp_url: String,
+    /// Declare the queues as quorum queues (a RabbitMQ cluster; the shop's relay must say the
+    /// same).
+    #[arg(long, env = "SHOP_AMQP_QUORUM_QUEUES")]
+    pub amqp_quorum_queues: bool,
     /// Deliveries the broker sends ahead.
     #[arg(long, default_value_t = 32)]
     pub prefetch: u16,
@@ -68,15 +73,27 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     // (the next delivery would too, but a message may never come back: it was acked, or the
     // broker lost it).
     let _maintenance = app.spawn_worker(Duration::from_secs(1));
+    let mut brokers = Brokers::parse(&args.amqp_url);
+    let nodes: Vec<&str> = brokers
+        .urls()
+        .iter()
+        .map(|url| url.rsplit('@').next().unwrap_or_default())
+        .collect();
     println!(
         "shop worker consuming {PURCHASES_QUEUE} from {}",
-        args.amqp_url.rsplit('@').next().unwrap_or_default()
+        nodes.join(", ")
     );
     loop {
         let consumed = match app.engine() {
-            Engine::Pg(engine) => consume(engine.clone(), operation.clone(), &args).await,
-            Engine::Sqlite(engine) => consume(engine.clone(), operation.clone(), &args).await,
-            Engine::My(engine) => consume(engine.clone(), operation.clone(), &args).await,
+            Engine::Pg(engine) => {
+                consume(engine.clone(), operation.clone(), &args, &mut brokers).await
+            }
+            Engine::Sqlite(engine) => {
+                consume(engine.clone(), operation.clone(), &args, &mut brokers).await
+            }
+            Engine::My(engine) => {
+                consume(engine.clone(), operation.clone(), &args, &mut brokers).await
+            }
         };
         match consumed {
             Ok(true) => return Ok(()),
@@ -94,12 +111,15 @@ async fn consume<S: StoreConn + Clone>(
     engine: Idempotency<S>,
     operation: Arc<PurchaseEvents>,
     args: &WorkerArgs,
+    brokers: &mut Brokers,
 ) -> anyhow::Result<bool> {
-    let connection = Connection::connect(&args.amqp_url, ConnectionProperties::default())
+    let (connection, node) = brokers
+        .connect(ConnectionProperties::default())
         .await
         .context("connecting to the broker")?;
+    tracing::info!(node, "worker connected");
     let channel = connection.create_channel().await?;
-    let topology = Topology::new(PURCHASES_QUEUE);
+    let topology = purchases_topology(args.amqp_quorum_queues);
     topology.declare(&channel).await?;
     let inbox = Inbox::new(engine).with_max_failures(5);
     let handler = move |incoming: Incoming<S>| {

@@ -100,7 +100,11 @@ fn server_url(var: &str) -> Option<String> {
 }
 
 fn fresh_name() -> String {
-    format!("t_{}", uuid::Uuid::new_v4().simple())
+    fresh_name_with_prefix("t")
+}
+
+fn fresh_name_with_prefix(prefix: &str) -> String {
+    format!("{prefix}_{}", uuid::Uuid::new_v4().simple())
 }
 
 /// Replaces the database name (the path) of a server URL.
@@ -125,8 +129,14 @@ fn with_database(url: &str, database: &str) -> String {
 ///
 /// Panics (fails the test) when the server is configured but cannot be reached.
 pub async fn fresh_postgres_url() -> Option<String> {
+    fresh_postgres_url_with_prefix("t").await
+}
+
+/// [`fresh_postgres_url`] with a database named `{prefix}_{uuid}` (a prefix that says who made
+/// it).
+pub async fn fresh_postgres_url_with_prefix(prefix: &str) -> Option<String> {
     let url = server_url(POSTGRES_VAR)?;
-    let name = fresh_name();
+    let name = fresh_name_with_prefix(prefix);
     let mut admin = sqlx::PgConnection::connect(&url)
         .await
         .unwrap_or_else(|e| panic!("{POSTGRES_VAR}={url} is set but unreachable: {e}"));
