@@ -33,6 +33,8 @@ pub struct OpReport {
     pub user: String,
     /// `Idempotency-Key`.
     pub key: String,
+    /// The request's body (the same on every attempt).
+    pub body: Value,
     /// How it ended.
     pub settled: Settled,
     /// Every `purchase_id` received (must be one).
@@ -43,6 +45,8 @@ pub struct OpReport {
     pub replays: usize,
     /// 5xx answers that were not `application/problem+json`.
     pub bare_5xx: usize,
+    /// 503 answers without a retry hint (`Retry-After`).
+    pub unhinted_503: usize,
 }
 
 impl OpReport {
@@ -90,11 +94,13 @@ pub async fn purchase_until_settled(
     let mut report = OpReport {
         user: user.to_owned(),
         key: key.to_owned(),
+        body: body.clone(),
         settled: Settled::GaveUp("deadline".into()),
         purchase_ids: BTreeSet::new(),
         statuses: BTreeMap::new(),
         replays: usize::from(outcome.replayed),
         bare_5xx: 0,
+        unhinted_503: 0,
     };
     for attempt in &outcome.attempts {
         let status = attempt.result.status();
@@ -104,6 +110,9 @@ pub async fn purchase_until_settled(
             .or_default() += 1;
         if status.is_some_and(|s| s.is_server_error()) && !attempt.problem_json {
             report.bare_5xx += 1;
+        }
+        if status == Some(StatusCode::SERVICE_UNAVAILABLE) && attempt.retry_after.is_none() {
+            report.unhinted_503 += 1;
         }
     }
     let response = match sent {

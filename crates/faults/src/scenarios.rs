@@ -177,13 +177,14 @@ async fn double_click(http: &reqwest::Client, url: &str, user: &str, body: &Valu
     merge(a, b)
 }
 
-fn merge(mut a: OpReport, b: OpReport) -> OpReport {
+pub(crate) fn merge(mut a: OpReport, b: OpReport) -> OpReport {
     a.purchase_ids.extend(b.purchase_ids);
     for (status, n) in b.statuses {
         *a.statuses.entry(status).or_default() += n;
     }
     a.replays += b.replays;
     a.bare_5xx += b.bare_5xx;
+    a.unhinted_503 += b.unhinted_503;
     if a.settled != Settled::Created {
         a.settled = b.settled;
     }
@@ -196,6 +197,16 @@ pub(crate) fn purchase_workers(
     workers: usize,
     stop: Arc<AtomicBool>,
 ) -> Vec<tokio::task::JoinHandle<Vec<OpReport>>> {
+    purchase_workers_among(url, workers, 6, stop)
+}
+
+/// [`purchase_workers`] buying for `users` users (`user-0` …).
+pub(crate) fn purchase_workers_among(
+    url: String,
+    workers: usize,
+    users: usize,
+    stop: Arc<AtomicBool>,
+) -> Vec<tokio::task::JoinHandle<Vec<OpReport>>> {
     (0..workers)
         .map(|w| {
             let (url, stop) = (url.clone(), stop.clone());
@@ -204,7 +215,7 @@ pub(crate) fn purchase_workers(
                 let mut done = Vec::new();
                 let mut n = 0;
                 while !stop.load(Ordering::SeqCst) {
-                    let user = format!("user-{}", (w * 7 + n) % 6);
+                    let user = format!("user-{}", (w * 7 + n) % users.max(1));
                     let body = purchase_body(&mut rand::thread_rng());
                     done.push(double_click(&http, &url, &user, &body).await);
                     n += 1;
@@ -228,7 +239,7 @@ pub(crate) async fn collect(
 /// Runs `idem recover --once` and returns its output. The CLI has no durable operations
 /// registered: it leaves durable purchase keys to the shop's worker, so after the worker settled
 /// everything it must find nothing to do.
-async fn recover(env: &Env, database_url: &str) -> Result<String> {
+pub(crate) async fn recover(env: &Env, database_url: &str) -> Result<String> {
     let out = tokio::process::Command::new(&env.idem_bin)
         .args(["recover", "--once", "--database-url", database_url])
         .output()
@@ -1028,7 +1039,7 @@ pub async fn abandon(env: &Env, backend: ShopDatabase, kills: usize) -> Result<(
     Ok(())
 }
 
-fn answers(by_status: &BTreeMap<u16, usize>) -> String {
+pub(crate) fn answers(by_status: &BTreeMap<u16, usize>) -> String {
     by_status
         .iter()
         .map(|(status, n)| match status {
@@ -1052,11 +1063,13 @@ async fn purchase_once(http: &reqwest::Client, url: &str, user: &str, body: &Val
     let mut report = OpReport {
         user: user.to_owned(),
         key,
+        body: body.clone(),
         settled: Settled::GaveUp("sent once".into()),
         purchase_ids: Default::default(),
         statuses: Default::default(),
         replays: 0,
         bare_5xx: 0,
+        unhinted_503: 0,
     };
     let sent = http
         .post(format!("{url}/purchases"))
