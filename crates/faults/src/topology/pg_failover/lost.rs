@@ -100,6 +100,21 @@ async fn wait_no_pending(db: &Db, limit: Duration) -> Result<Snapshot> {
     }
 }
 
+/// The key (user, key) of each purchase id on the promoted standby.
+fn purchase_owners(snapshot: &Snapshot) -> HashMap<String, (String, String)> {
+    let purchase_of: HashMap<i64, i64> = snapshot.purchases.iter().map(|p| (p.2, p.0)).collect();
+    snapshot
+        .keys
+        .iter()
+        .filter_map(|k| match k.placed {
+            Some(Placed::Order(order)) => purchase_of
+                .get(&order)
+                .map(|id| (id.to_string(), (k.scope.clone(), k.key.clone()))),
+            _ => None,
+        })
+        .collect()
+}
+
 /// What became of each acknowledged purchase on the promoted standby.
 fn fates(snapshot: &Snapshot, ops: &[OpReport]) -> Vec<Fate> {
     let purchase_of: HashMap<i64, i64> = snapshot.purchases.iter().map(|p| (p.2, p.0)).collect();
@@ -261,19 +276,19 @@ pub async fn settle_and_account(
         counts.refused = counts.unpaid_charges.len();
     }
     check_writes_went_with_completions(&snapshot, &ops, &fates, &counts.unpaid_charges)?;
-    let purchase_ids: HashSet<String> =
-        snapshot.purchases.iter().map(|p| p.0.to_string()).collect();
+    let owners = purchase_owners(&snapshot);
     let http = reqwest::Client::new();
     for &i in &lost {
         match fates[i] {
             Fate::KeyLost => counts.key_lost += 1,
             _ => counts.completed_again += 1,
         }
-        if ops[i]
+        let this = (ops[i].user.clone(), ops[i].key.clone());
+        let reused = ops[i]
             .purchase_ids
             .iter()
-            .any(|id| purchase_ids.contains(id))
-        {
+            .any(|id| owners.get(id).is_some_and(|owner| *owner != this));
+        if reused {
             counts.ids_reused += 1;
         }
         ops[i] = resend(&http, shop_url, &ops[i], &mut counts).await?;
