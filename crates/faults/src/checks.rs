@@ -336,8 +336,12 @@ pub async fn wait_settled(
 /// is a key completed with that purchase, one answered the definitive 502 a key settled failed, one
 /// whose key is absent made no charge.
 pub async fn check(db: &Db, ops: &[OpReport], start_balance: i64) -> Result<Tally> {
-    let snapshot = db.snapshot().await?;
-    let (mut tally, mut bad) = invariants(&snapshot, start_balance);
+    check_snapshot(&db.snapshot().await?, ops, start_balance)
+}
+
+/// [`check`] on a snapshot already read.
+pub fn check_snapshot(snapshot: &Snapshot, ops: &[OpReport], start_balance: i64) -> Result<Tally> {
+    let (mut tally, mut bad) = invariants(snapshot, start_balance);
     tally.operations = ops.len();
     let keys: HashMap<(&str, &str), &KeyRow> = snapshot
         .keys

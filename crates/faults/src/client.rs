@@ -33,6 +33,8 @@ pub struct OpReport {
     pub user: String,
     /// `Idempotency-Key`.
     pub key: String,
+    /// The request's body (the same on every attempt).
+    pub body: Value,
     /// How it ended.
     pub settled: Settled,
     /// Every `purchase_id` received (must be one).
@@ -92,6 +94,7 @@ pub async fn purchase_until_settled(
     let mut report = OpReport {
         user: user.to_owned(),
         key: key.to_owned(),
+        body: body.clone(),
         settled: Settled::GaveUp("deadline".into()),
         purchase_ids: BTreeSet::new(),
         statuses: BTreeMap::new(),

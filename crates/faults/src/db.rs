@@ -1,6 +1,7 @@
 //! The run's tables, read straight from the databases: PostgreSQL or MariaDB (the shop's and
-//! the providers' tables in one database) or SQLite (the shop's file `FILE` and the providers'
-//! file `FILE.providers`).
+//! the providers' tables in one database, or, on PostgreSQL, the providers' in a database of
+//! their own: [`Db::connect_split`]) or SQLite (the shop's file `FILE` and the providers' file
+//! `FILE.providers`).
 
 use anyhow::{bail, ensure, Context, Result};
 use serde_json::Value;
@@ -15,8 +16,14 @@ use std::{str::FromStr, time::Duration};
 /// Connections to a run's databases.
 #[derive(Debug, Clone)]
 pub enum Db {
-    /// PostgreSQL: every table in one database.
-    Pg(PgPool),
+    /// PostgreSQL: the shop's tables, and the providers' (the same pool when they share the
+    /// database).
+    Pg {
+        /// `idempotency_keys` and the `shop_*` tables.
+        shop: PgPool,
+        /// `payment_provider_*`.
+        providers: PgPool,
+    },
     /// SQLite: the shop's file and the providers' file.
     Sqlite {
         /// `FILE`: `idempotency_keys` and the `shop_*` tables.
@@ -149,6 +156,15 @@ fn sqlite_path(url: &str) -> Result<&str> {
     Ok(rest.split('?').next().unwrap_or(rest))
 }
 
+async fn pg_pool(url: &str) -> Result<PgPool> {
+    PgPoolOptions::new()
+        .max_connections(2)
+        .acquire_timeout(Duration::from_secs(10))
+        .connect(url)
+        .await
+        .with_context(|| format!("connecting to {url}"))
+}
+
 async fn sqlite_pool(path: &str) -> Result<SqlitePool> {
     let options = SqliteConnectOptions::from_str(&format!("sqlite://{path}"))?
         .create_if_missing(false)
@@ -165,13 +181,11 @@ impl Db {
     /// `sqlite://FILE`; the shop must have created them).
     pub async fn connect(url: &str) -> Result<Self> {
         if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-            let pool = PgPoolOptions::new()
-                .max_connections(2)
-                .acquire_timeout(Duration::from_secs(10))
-                .connect(url)
-                .await
-                .with_context(|| format!("connecting to {url}"))?;
-            Ok(Db::Pg(pool))
+            let pool = pg_pool(url).await?;
+            Ok(Db::Pg {
+                shop: pool.clone(),
+                providers: pool,
+            })
         } else if url.starts_with("mysql://") {
             let pool = MySqlPoolOptions::new()
                 .max_connections(2)
@@ -191,16 +205,25 @@ impl Db {
         }
     }
 
+    /// Connects to a PostgreSQL shop whose providers keep their state in a database of their
+    /// own (`shop --provider-database-url`).
+    pub async fn connect_split(shop_url: &str, providers_url: &str) -> Result<Self> {
+        Ok(Db::Pg {
+            shop: pg_pool(shop_url).await?,
+            providers: pg_pool(providers_url).await?,
+        })
+    }
+
     /// Reads every table the checks need.
     pub async fn snapshot(&self) -> Result<Snapshot> {
         let (keys, users, orders, purchases, charges, refunds) = match self {
-            Db::Pg(pool) => (
-                rows!(pool, RawKey, KEYS),
-                rows!(pool, (String, i64), USERS),
-                rows!(pool, (i64, String, i64, String, Option<String>), ORDERS),
-                rows!(pool, (i64, String, i64), PURCHASES),
-                rows!(pool, (String, String, String, i64), CHARGES),
-                rows!(pool, (String, String, i64), REFUNDS),
+            Db::Pg { shop, providers } => (
+                rows!(shop, RawKey, KEYS),
+                rows!(shop, (String, i64), USERS),
+                rows!(shop, (i64, String, i64, String, Option<String>), ORDERS),
+                rows!(shop, (i64, String, i64), PURCHASES),
+                rows!(providers, (String, String, String, i64), CHARGES),
+                rows!(providers, (String, String, i64), REFUNDS),
             ),
             Db::Sqlite { shop, providers } => (
                 rows!(shop, RawKey, KEYS),
@@ -252,9 +275,9 @@ impl Db {
         let keys = "SELECT count(*) FROM idempotency_keys";
         let orders = "SELECT count(*) FROM shop_orders";
         Ok(match self {
-            Db::Pg(pool) => (
-                sqlx::query_scalar(keys).fetch_one(pool).await?,
-                sqlx::query_scalar(orders).fetch_one(pool).await?,
+            Db::Pg { shop, .. } => (
+                sqlx::query_scalar(keys).fetch_one(shop).await?,
+                sqlx::query_scalar(orders).fetch_one(shop).await?,
             ),
             Db::Sqlite { shop, .. } => (
                 sqlx::query_scalar(keys).fetch_one(shop).await?,
@@ -292,7 +315,10 @@ impl Db {
     /// Closes the pools.
     pub async fn close(&self) {
         match self {
-            Db::Pg(pool) => pool.close().await,
+            Db::Pg { shop, providers } => {
+                shop.close().await;
+                providers.close().await;
+            }
             Db::My(pool) => pool.close().await,
             Db::Sqlite { shop, providers } => {
                 shop.close().await;

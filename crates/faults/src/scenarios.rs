@@ -197,6 +197,16 @@ pub(crate) fn purchase_workers(
     workers: usize,
     stop: Arc<AtomicBool>,
 ) -> Vec<tokio::task::JoinHandle<Vec<OpReport>>> {
+    purchase_workers_among(url, workers, 6, stop)
+}
+
+/// [`purchase_workers`] buying for `users` users (`user-0` …).
+pub(crate) fn purchase_workers_among(
+    url: String,
+    workers: usize,
+    users: usize,
+    stop: Arc<AtomicBool>,
+) -> Vec<tokio::task::JoinHandle<Vec<OpReport>>> {
     (0..workers)
         .map(|w| {
             let (url, stop) = (url.clone(), stop.clone());
@@ -205,7 +215,7 @@ pub(crate) fn purchase_workers(
                 let mut done = Vec::new();
                 let mut n = 0;
                 while !stop.load(Ordering::SeqCst) {
-                    let user = format!("user-{}", (w * 7 + n) % 6);
+                    let user = format!("user-{}", (w * 7 + n) % users.max(1));
                     let body = purchase_body(&mut rand::thread_rng());
                     done.push(double_click(&http, &url, &user, &body).await);
                     n += 1;
@@ -1053,6 +1063,7 @@ async fn purchase_once(http: &reqwest::Client, url: &str, user: &str, body: &Val
     let mut report = OpReport {
         user: user.to_owned(),
         key,
+        body: body.clone(),
         settled: Settled::GaveUp("sent once".into()),
         purchase_ids: Default::default(),
         statuses: Default::default(),

@@ -505,6 +505,61 @@ async fn sqlite_pool(path: &str, max: u32) -> anyhow::Result<SqlitePool> {
 
 /// Connects both databases for `url` (the providers' SQLite file is `FILE.providers`).
 pub async fn connect(url: &str, max_connections: u32) -> anyhow::Result<(ShopDb, ProviderDb)> {
+    connect_with(url, None, max_connections).await
+}
+
+/// Connects the shop's database `url` and the providers' database: `providers_url` when given
+/// (a database of its own, on any backend: outside services keep their state outside the
+/// shop's database, so it survives whatever happens to that one, e.g. a failover that loses
+/// its last commits), else the shop's own (PostgreSQL, MariaDB: the same database through
+/// another pool; SQLite: the file `FILE.providers`).
+pub async fn connect_with(
+    url: &str,
+    providers_url: Option<&str>,
+    max_connections: u32,
+) -> anyhow::Result<(ShopDb, ProviderDb)> {
+    let shop = connect_shop(url, max_connections).await?;
+    let max = max_connections.div_ceil(2).max(2);
+    let (providers_at, own) = match providers_url {
+        Some(providers_url) => (providers_url, true),
+        None => (url, false),
+    };
+    let providers = connect_providers(providers_at, own, max)
+        .await
+        .with_context(|| format!("connecting the providers' database {providers_at}"))?;
+    Ok((shop, providers))
+}
+
+/// The providers' pool on the database of `url`: of their `own`, or the shop's (a SQLite shop's
+/// providers then live in `FILE.providers`).
+async fn connect_providers(url: &str, own: bool, max: u32) -> anyhow::Result<ProviderDb> {
+    Ok(match Kind::of_url(url)? {
+        Kind::Postgres => ProviderDb::Pg(
+            PgPoolOptions::new()
+                .max_connections(max)
+                .connect(url)
+                .await?,
+        ),
+        Kind::Sqlite => {
+            let path = sqlite_path(url)?;
+            let file = if own {
+                path.to_owned()
+            } else {
+                format!("{path}.providers")
+            };
+            ProviderDb::Sqlite(sqlite_pool(&file, 4).await?)
+        }
+        Kind::Mysql => ProviderDb::My(
+            MySqlPoolOptions::new()
+                .max_connections(max)
+                .connect(url)
+                .await?,
+        ),
+    })
+}
+
+/// The shop's pool (the idempotency store and the shop's tables) on the database of `url`.
+async fn connect_shop(url: &str, max_connections: u32) -> anyhow::Result<ShopDb> {
     match Kind::of_url(url)? {
         Kind::Postgres => {
             let shop = PgPoolOptions::new()
@@ -519,10 +574,6 @@ pub async fn connect(url: &str, max_connections: u32) -> anyhow::Result<(ShopDb,
                 .connect(url)
                 .await
                 .with_context(|| format!("connecting to {url}"))?;
-            let providers = PgPoolOptions::new()
-                .max_connections(max_connections.div_ceil(2).max(2))
-                .connect(url)
-                .await?;
             let store = PgStore::new(shop);
             let pooled = store
                 .behind_transaction_pooler()
@@ -532,18 +583,14 @@ pub async fn connect(url: &str, max_connections: u32) -> anyhow::Result<(ShopDb,
             if pooled {
                 tracing::info!("PostgreSQL through a transaction pooler: unnamed statements, each in a transaction");
             }
-            Ok((ShopDb::Pg(store), ProviderDb::Pg(providers)))
+            Ok(ShopDb::Pg(store))
         }
         Kind::Sqlite => {
             let path = sqlite_path(url)?;
             let shop = sqlite_pool(path, 8)
                 .await
                 .with_context(|| format!("opening SQLite file {path}"))?;
-            let providers = sqlite_pool(&format!("{path}.providers"), 4).await?;
-            Ok((
-                ShopDb::Sqlite(SqliteStore::new(shop)),
-                ProviderDb::Sqlite(providers),
-            ))
+            Ok(ShopDb::Sqlite(SqliteStore::new(shop)))
         }
         Kind::Mysql => {
             // As on PostgreSQL: fail fast while the server is down, no ping per checkout. And
@@ -565,11 +612,7 @@ pub async fn connect(url: &str, max_connections: u32) -> anyhow::Result<(ShopDb,
                 .connect(url)
                 .await
                 .with_context(|| format!("connecting to {url}"))?;
-            let providers = MySqlPoolOptions::new()
-                .max_connections(max_connections.div_ceil(2).max(2))
-                .connect(url)
-                .await?;
-            Ok((ShopDb::My(MySqlStore::new(shop)), ProviderDb::My(providers)))
+            Ok(ShopDb::My(MySqlStore::new(shop)))
         }
     }
 }

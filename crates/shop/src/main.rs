@@ -44,6 +44,11 @@ struct ServeArgs {
     /// `mysql://USER:PASS@HOST/DB` (MariaDB).
     #[arg(long, env = "SHOP_DATABASE_URL", default_value = "sqlite://shop.db")]
     database_url: String,
+    /// Where the simulated payment and mail providers keep their state (the same kinds of URL;
+    /// default: the shop's database). Outside services keep theirs outside the shop's database:
+    /// `faults --topology pg-failover` puts them on another server than the one that fails over.
+    #[arg(long, env = "SHOP_PROVIDER_DATABASE_URL")]
+    provider_database_url: Option<String>,
     /// Probability that a payment provider call fails (half of the failures after charging).
     #[arg(long, default_value_t = 0.0, value_parser = rate)]
     payment_fail_rate: f64,
@@ -143,6 +148,7 @@ async fn main() -> anyhow::Result<()> {
 
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let mut config = Config::new(&args.database_url);
+    config.provider_database_url = args.provider_database_url.clone();
     config.payment = Faults {
         fail_rate: args.payment_fail_rate,
         latency: Duration::from_millis(args.payment_latency_ms),
@@ -171,6 +177,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     if let (true, Some(amqp_url)) = (args.consume, args.amqp_url.clone()) {
         let consuming = WorkerArgs {
             database_url: args.database_url.clone(),
+            provider_database_url: args.provider_database_url.clone(),
             amqp_url,
             amqp_quorum_queues: args.amqp_quorum_queues,
             prefetch: 32,

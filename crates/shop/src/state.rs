@@ -19,6 +19,11 @@ use std::{sync::Arc, time::Duration};
 pub struct Config {
     /// `sqlite://FILE`, `postgres://…` or `mysql://…` (MariaDB).
     pub database_url: String,
+    /// Where the simulated providers keep their state (any of the same kinds of URL); `None`:
+    /// in the shop's database (a SQLite shop: `FILE.providers`). A real provider's state lives
+    /// outside the shop's database: give it one of its own where that matters, e.g. when the
+    /// shop's database fails over and may lose its last commits.
+    pub provider_database_url: Option<String>,
     /// Payment provider faults.
     pub payment: Faults,
     /// Mail provider faults.
@@ -66,6 +71,7 @@ impl Config {
     pub fn new(database_url: impl Into<String>) -> Self {
         Self {
             database_url: database_url.into(),
+            provider_database_url: None,
             payment: Faults::default(),
             mail: Faults::default(),
             bench_routes: false,
@@ -133,7 +139,12 @@ impl App {
     /// Connects, migrates (the idempotency key table, the shop's and the providers' tables) and
     /// builds the state.
     pub async fn connect(config: &Config) -> anyhow::Result<Self> {
-        let (db, providers) = db::connect(&config.database_url, config.max_connections).await?;
+        let (db, providers) = db::connect_with(
+            &config.database_url,
+            config.provider_database_url.as_deref(),
+            config.max_connections,
+        )
+        .await?;
         db.migrate().await?;
         providers.migrate().await?;
         let engine = match &db {

@@ -58,6 +58,10 @@ pub struct StormArgs {
     /// Database for the services the storm starts (default: a temporary SQLite file).
     #[arg(long)]
     pub database_url: Option<String>,
+    /// Where the simulated providers of those services keep their state (default: their
+    /// database); also where the storm audits the charges.
+    #[arg(long)]
+    pub provider_database_url: Option<String>,
     /// Start this many real `shop` child processes on free ports, sharing the database
     /// (0: serve in this process).
     #[arg(long, default_value_t = 0)]
@@ -933,6 +937,11 @@ async fn spawn_child(
     let exe = std::env::current_exe().context("locating the shop binary")?;
     let mut child = tokio::process::Command::new(exe)
         .args(["--listen", "127.0.0.1:0", "--database-url", database_url])
+        .args(
+            args.provider_database_url
+                .iter()
+                .flat_map(|url| ["--provider-database-url", url.as_str()]),
+        )
         .arg("--payment-fail-rate")
         .arg(args.payment_fail_rate.to_string())
         .arg("--payment-latency-ms")
@@ -984,7 +993,9 @@ pub async fn run(args: StormArgs) -> anyhow::Result<()> {
     let mut databases = None;
     let urls = if !args.urls.is_empty() {
         if args.database_url.is_some() {
-            databases = Some(db::connect(&database_url, 2).await?);
+            databases = Some(
+                db::connect_with(&database_url, args.provider_database_url.as_deref(), 2).await?,
+            );
         }
         args.urls.clone()
     } else if args.processes > 0 {
@@ -994,10 +1005,12 @@ pub async fn run(args: StormArgs) -> anyhow::Result<()> {
             _children.0.push(child);
             urls.push(url);
         }
-        databases = Some(db::connect(&database_url, 2).await?);
+        databases =
+            Some(db::connect_with(&database_url, args.provider_database_url.as_deref(), 2).await?);
         urls
     } else {
         let mut config = Config::new(&database_url);
+        config.provider_database_url = args.provider_database_url.clone();
         config.payment = Faults {
             fail_rate: args.payment_fail_rate,
             latency: Duration::from_millis(args.payment_latency_ms),

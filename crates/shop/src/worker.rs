@@ -28,6 +28,9 @@ pub struct WorkerArgs {
     /// The shop's database (the same as the shop's).
     #[arg(long, env = "SHOP_DATABASE_URL", default_value = "sqlite://shop.db")]
     pub database_url: String,
+    /// The providers' database (the same as the shop's; default: the shop's database).
+    #[arg(long, env = "SHOP_PROVIDER_DATABASE_URL")]
+    pub provider_database_url: Option<String>,
     /// The broker: one URL, or the comma-separated URLs of a cluster's nodes (tried in turn on
     /// each reconnection).
     #[arg(
@@ -62,6 +65,7 @@ pub const SCOPE: &str = "shop.worker";
 /// Runs the worker until Ctrl-C or SIGTERM; reconnects after the broker went away.
 pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     let mut config = Config::new(&args.database_url);
+    config.provider_database_url = args.provider_database_url.clone();
     config.mail = Faults {
         fail_rate: args.mail_fail_rate,
         latency: Duration::ZERO,
