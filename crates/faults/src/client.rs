@@ -50,6 +50,21 @@ pub struct OpReport {
 }
 
 impl OpReport {
+    /// An operation that has no answer yet (it gave up for `why`, until an answer says more).
+    pub fn gave_up(user: &str, key: &str, body: Value, why: &str) -> Self {
+        OpReport {
+            user: user.to_owned(),
+            key: key.to_owned(),
+            body,
+            settled: Settled::GaveUp(why.to_owned()),
+            purchase_ids: BTreeSet::new(),
+            statuses: BTreeMap::new(),
+            replays: 0,
+            bare_5xx: 0,
+            unhinted_503: 0,
+        }
+    }
+
     /// All requests sent.
     pub fn requests(&self) -> usize {
         self.statuses.values().sum()

@@ -231,16 +231,7 @@ async fn race(http: &reqwest::Client, urls: &[String], trial: usize, racers: usi
 }
 
 fn gave_up(user: &str, key: &str, why: String) -> OpReport {
-    OpReport {
-        user: user.to_owned(),
-        key: key.to_owned(),
-        settled: Settled::GaveUp(why),
-        purchase_ids: Default::default(),
-        statuses: Default::default(),
-        replays: 0,
-        bare_5xx: 0,
-        unhinted_503: 0,
-    }
+    OpReport::gave_up(user, key, serde_json::Value::Null, &why)
 }
 
 /// The conflicts every node counted during the run (the killed node's before its kill, and

@@ -245,16 +245,7 @@ async fn order_until_settled(
     body: &Value,
     limit: Duration,
 ) -> OpReport {
-    let mut report = OpReport {
-        user: user.to_owned(),
-        key: key.to_owned(),
-        settled: Settled::GaveUp("deadline".into()),
-        purchase_ids: Default::default(),
-        statuses: Default::default(),
-        replays: 0,
-        bare_5xx: 0,
-        unhinted_503: 0,
-    };
+    let mut report = OpReport::gave_up(user, key, body.clone(), "deadline");
     let deadline = Instant::now() + limit;
     while Instant::now() < deadline {
         let sent = http
