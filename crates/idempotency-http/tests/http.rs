@@ -438,21 +438,25 @@ async fn lost_lease_rolls_back_the_handlers_rows(app: TestApp) {
     assert_eq!(replay.body, fast.body);
 }
 
-/// The heartbeat: a handler that works five times its 300 ms lease keeps its key. Duplicates
-/// sent meanwhile (each well past the lease) are refused with 409 `in-progress` instead of
-/// taking the key over, and the slow handler's answer is the one stored.
+/// The heartbeat: a handler that works four times its 1.5 s lease keeps its key. Duplicates
+/// sent meanwhile (each well past the lease, timed from the reservation so that slow answers do
+/// not push them past the handler's end) are refused with 409 `in-progress` instead of taking
+/// the key over, and the slow handler's answer is the one stored.
 async fn a_handler_working_past_its_lease_keeps_its_key(app: TestApp) {
     let key = new_key();
     let body = json!({"sku": "long-work"});
+    let work = common::BEATING_LEASE * 4;
     let slow = Answer::of(
         app.post("/beating", "alice", Some(&key), &body)
-            .header("x-delay-before-tx-ms", "1500"),
+            .header("x-delay-before-tx-ms", work.as_millis().to_string()),
     );
     let duplicates = async {
         assert_eq!(app.db.wait_for_keys(1, Duration::from_secs(5)).await, 1);
+        let reserved = tokio::time::Instant::now();
         let mut answers = Vec::new();
-        for _ in 0..3 {
-            tokio::time::sleep(common::SHORT_LEASE + Duration::from_millis(50)).await;
+        for n in 1..=3 {
+            let due = (common::BEATING_LEASE + Duration::from_millis(100)) * n;
+            tokio::time::sleep_until(reserved + due).await;
             answers.push(Answer::of(app.post("/beating", "alice", Some(&key), &body)).await);
         }
         answers

@@ -196,6 +196,10 @@ pub fn layer<S: Store>(store: S) -> IdempotencyLayer<S> {
 /// The lease of `/short-lease`.
 pub const SHORT_LEASE: Duration = Duration::from_millis(300);
 
+/// The lease of `/beating` (heartbeat on): long enough that a heartbeat every third of it, run
+/// late on a loaded machine, still lands before the lease ends.
+pub const BEATING_LEASE: Duration = Duration::from_millis(1500);
+
 /// An engine in the single-transaction mode.
 fn single_transaction<S: ReserveInTransaction>(store: &S) -> Idempotency<S> {
     Idempotency::new(store.clone()).with_single_transaction(Duration::from_secs(5))
@@ -244,7 +248,7 @@ where
     // The same short lease, kept alive while the handler runs.
     let beating = Router::new()
         .route("/beating", post(create_order::<S::Database>))
-        .route_layer(layer(store.clone()).with_lease(SHORT_LEASE));
+        .route_layer(layer(store.clone()).with_lease(BEATING_LEASE));
     let external = Router::new()
         .route("/payments", post(create_order::<S::Database>))
         .route_layer(
