@@ -64,27 +64,44 @@ pub trait ShopProblem: Sized {
         )
     }
 
-    /// 500 for a database failure, 503 when the database cannot be reached or has no room to
-    /// write (`idempotency::store::is_unavailable_error`; details are logged, not shown).
-    fn database(error: &sqlx::Error) -> Self {
-        tracing::error!(%error, "database error");
-        let status = if idempotency::store::is_unavailable_error(error) {
-            StatusCode::SERVICE_UNAVAILABLE
-        } else {
-            StatusCode::INTERNAL_SERVER_ERROR
-        };
-        Self::shop(
-            status,
-            "database",
-            "Database error",
-            "the database failed; nothing was changed, retry with the same Idempotency-Key",
-        )
-    }
+    /// 500 for a database failure, 503 with `Retry-After: 1` when the database cannot be
+    /// reached or has no room to write (`idempotency::store::is_unavailable_error`; details are
+    /// logged, not shown).
+    ///
+    /// ```
+    /// use shop::problem::{Problem, ShopProblem};
+    /// let down = Problem::database(&sqlx::Error::PoolTimedOut);
+    /// assert_eq!(down.status(), 503);
+    /// assert!(down.retry_after.is_some());
+    /// ```
+    fn database(error: &sqlx::Error) -> Self;
 }
 
 impl ShopProblem for Problem {
     fn shop(status: StatusCode, slug: &str, title: &str, detail: impl Into<String>) -> Self {
         Problem::new(status, format!("{TYPE_BASE}{slug}"), title).with_detail(detail)
+    }
+
+    fn database(error: &sqlx::Error) -> Self {
+        tracing::error!(%error, "database error");
+        let detail =
+            "the database failed; nothing was changed, retry with the same Idempotency-Key";
+        if idempotency::store::is_unavailable_error(error) {
+            Self::shop(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "database",
+                "Database error",
+                detail,
+            )
+            .with_retry_after(std::time::Duration::from_secs(1))
+        } else {
+            Self::shop(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "database",
+                "Database error",
+                detail,
+            )
+        }
     }
 }
 
