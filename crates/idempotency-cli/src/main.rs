@@ -8,11 +8,13 @@
 //! idem recover --interval 30s --max-attempts 5
 //! idem purge --dry-run
 //! idem stats --json
+//! IDEM_CONSOLE_PASSWORD=… idem console --allow-actions
 //! ```
 //!
 //! Exit codes: 0 success, 1 a runtime failure (database unreachable, key not found, not parked),
 //! 2 bad input (from clap, or an unreadable or non-JSON result file).
 
+mod console;
 mod db;
 mod render;
 
@@ -63,6 +65,9 @@ enum Command {
     Purge(PurgeArgs),
     /// Counts by state and operation, oldest pending key, expired leases, purgeable rows.
     Stats(JsonFlag),
+    /// Serve the review console: a web page to inspect keys and settle those needing review.
+    /// The password comes from IDEM_CONSOLE_PASSWORD or --password-file.
+    Console(console::ConsoleArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -274,6 +279,9 @@ async fn run(cli: Cli) -> Result<()> {
             return Err(usage("--reason must not be empty"));
         }
     }
+    if let Command::Console(args) = &cli.command {
+        args.secret().map_err(|e| usage(&format!("{e:#}")))?;
+    }
     let create = matches!(cli.command, Command::Migrate);
     let store = db::connect(&url, cli.connect_timeout, create).await?;
     dispatch(&store, cli.command).await
@@ -304,6 +312,7 @@ async fn execute<S: Maintenance + Journal>(store: &S, command: Command) -> Resul
         Command::Keys(KeysCommand::Resolve(args)) => resolve(store, args).await?,
         Command::Recover(args) => recover(store, args).await?,
         Command::Purge(args) => purge(store, args).await?,
+        Command::Console(args) => console::serve(store.clone(), args, shutdown()).await?,
         Command::Stats(json) => {
             let stats = store.stats().await?;
             if json.json {

@@ -95,6 +95,6 @@ pub mod maintenance {
 
     pub use crate::recovery::{resolve, Recovery, RecoveryReport, ResolveError};
     pub use crate::retention::{Purge, PurgeReport};
-    pub use crate::store::maintenance::{KeyFilter, KeyStats, Resolution, StateCount};
+    pub use crate::store::maintenance::{KeyCursor, KeyFilter, KeyStats, Resolution, StateCount};
     pub use crate::worker::{MaintenanceWorker, WorkerHandle, WorkerReport};
 }

@@ -2,7 +2,49 @@
 
 use super::{KeyRecord, KeyState, LeaseToken, Store};
 use crate::{error::StoreError, IdempotencyKey};
+use chrono::{DateTime, Utc};
 use std::{future::Future, time::Duration};
+
+/// Where a page of [`Maintenance::list`] ended: the `(created_at, scope, operation, key)` of its
+/// last row. A filter [`with_after`](KeyFilter::with_after) a cursor lists the rows that follow
+/// it in the list's order (keyset paging), so rows inserted meanwhile never shift a page.
+///
+/// ```
+/// use idempotency::{maintenance::{KeyCursor, KeyFilter}, IdempotencyKey};
+/// let last = IdempotencyKey::new("user-1", "purchase", "k-9")?;
+/// let cursor = KeyCursor::new(chrono::DateTime::UNIX_EPOCH, last);
+/// let next_page = KeyFilter::default().with_limit(50).with_after(cursor.clone());
+/// assert_eq!(next_page.after(), Some(&cursor));
+/// assert_eq!(cursor.key().key(), "k-9");
+/// # Ok::<(), idempotency::key::InvalidKey>(())
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyCursor {
+    created_at: DateTime<Utc>,
+    key: IdempotencyKey,
+}
+
+impl KeyCursor {
+    /// The position of the row of `key` created at `created_at` (as the store returned it).
+    pub fn new(created_at: DateTime<Utc>, key: IdempotencyKey) -> Self {
+        Self { created_at, key }
+    }
+
+    /// The position of `record`: pass the last row of a page to get the next one.
+    pub fn of(record: &KeyRecord) -> Self {
+        Self::new(record.created_at, record.key.clone())
+    }
+
+    /// When the row was created (the first part of the list's order).
+    pub fn created_at(&self) -> DateTime<Utc> {
+        self.created_at
+    }
+
+    /// The row's key (the rest of the list's order: scope, operation, key).
+    pub fn key(&self) -> &IdempotencyKey {
+        &self.key
+    }
+}
 
 /// Which rows [`Maintenance::list`] returns. All conditions are combined with AND; `None` means
 /// "any".
@@ -28,6 +70,8 @@ pub struct KeyFilter {
     pub(crate) older_than: Option<Duration>,
     /// At most this many rows (oldest `created_at` first).
     pub(crate) limit: u32,
+    /// Only rows after this one in the list's order.
+    pub(crate) after: Option<KeyCursor>,
 }
 
 impl KeyFilter {
@@ -54,6 +98,18 @@ impl KeyFilter {
     /// At most this many rows, oldest `created_at` first (default 100).
     pub fn limit(&self) -> u32 {
         self.limit
+    }
+
+    /// Only rows after this position in the list's order (keyset paging).
+    pub fn after(&self) -> Option<&KeyCursor> {
+        self.after.as_ref()
+    }
+
+    /// Keeps only rows after `cursor` in the list's order `(created_at, scope, operation, key)`:
+    /// the next page after a page whose last row was `cursor`.
+    pub fn with_after(mut self, cursor: KeyCursor) -> Self {
+        self.after = Some(cursor);
+        self
     }
 
     /// Keeps only rows in `state`.
@@ -95,6 +151,7 @@ impl Default for KeyFilter {
             operation: None,
             older_than: None,
             limit: 100,
+            after: None,
         }
     }
 }
@@ -265,7 +322,9 @@ pub trait Maintenance: Store {
     /// How many rows a purge would delete now (same condition as [`purge_batch`](Self::purge_batch)).
     fn count_purgeable(&self) -> impl Future<Output = Result<u64, StoreError>> + Send;
 
-    /// Rows matching `filter`, oldest `created_at` first (then by key), at most `filter.limit`.
+    /// Rows matching `filter`, oldest `created_at` first (then by scope, operation and key), at
+    /// most `filter.limit`; with [`KeyFilter::after`], only the rows after that position in this
+    /// order (`(created_at, scope, operation, key) > cursor`).
     fn list(
         &self,
         filter: &KeyFilter,

@@ -650,6 +650,7 @@ const LIST: &str = concat!(
         AND (? IS NULL OR k.scope = ?)
         AND (? IS NULL OR k.operation = ?)
         AND (? IS NULL OR k.created_at <= UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND)
+        AND (? IS NULL OR (k.created_at, k.scope, k.operation, k.idem_key) > (?, ?, ?, ?))
       ORDER BY k.created_at, k.scope, k.operation, k.idem_key LIMIT ?"
 );
 
@@ -750,6 +751,8 @@ impl super::Maintenance for MySqlStore {
         let scope = filter.scope.as_deref().map(str::as_bytes);
         let operation = filter.operation.as_deref().map(str::as_bytes);
         let older_than = filter.older_than.map(micros);
+        let after = filter.after.as_ref();
+        let after_time = after.map(|c| c.created_at().naive_utc());
         sqlx::query(LIST)
             .bind(state)
             .bind(state)
@@ -759,6 +762,11 @@ impl super::Maintenance for MySqlStore {
             .bind(operation)
             .bind(older_than)
             .bind(older_than)
+            .bind(after_time)
+            .bind(after_time)
+            .bind(after.map(|c| c.key().scope().as_bytes()))
+            .bind(after.map(|c| c.key().operation().as_bytes()))
+            .bind(after.map(|c| c.key().key().as_bytes()))
             .bind(i64::from(filter.limit))
             .fetch_all(&self.pool)
             .await?

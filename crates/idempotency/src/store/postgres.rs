@@ -686,6 +686,8 @@ const LIST: &str = concat!(
         AND ($2::TEXT IS NULL OR k.scope = $2)
         AND ($3::TEXT IS NULL OR k.operation = $3)
         AND ($4::BIGINT IS NULL OR k.created_at <= now() - $4 * INTERVAL '1 millisecond')
+        AND ($6::TIMESTAMPTZ IS NULL
+             OR (k.created_at, k.scope, k.operation, k.idem_key) > ($6, $7::TEXT, $8::TEXT, $9::TEXT))
       ORDER BY k.created_at, k.scope, k.operation, k.idem_key LIMIT $5"
 );
 
@@ -779,13 +781,18 @@ impl super::Maintenance for PgStore {
     }
 
     async fn list(&self, filter: &super::KeyFilter) -> Result<Vec<KeyRecord>, StoreError> {
+        let after = filter.after.as_ref();
         self.rows(
             sqlx::query(LIST)
                 .bind(filter.state.map(|s| s.as_str()))
                 .bind(filter.scope.as_deref())
                 .bind(filter.operation.as_deref())
                 .bind(filter.older_than.map(millis))
-                .bind(i64::from(filter.limit)),
+                .bind(i64::from(filter.limit))
+                .bind(after.map(|c| c.created_at()))
+                .bind(after.map(|c| c.key().scope()))
+                .bind(after.map(|c| c.key().operation()))
+                .bind(after.map(|c| c.key().key())),
         )
         .await?
         .iter()

@@ -604,6 +604,7 @@ const LIST: &str = concat!(
         AND (?4 IS NULL OR created_at <= ",
     now_ms!(),
     " - ?4)
+        AND (?6 IS NULL OR (created_at, scope, operation, idem_key) > (?6, ?7, ?8, ?9))
       ORDER BY created_at, scope, operation, idem_key LIMIT ?5"
 );
 
@@ -683,12 +684,17 @@ impl super::Maintenance for SqliteStore {
     }
 
     async fn list(&self, filter: &super::KeyFilter) -> Result<Vec<KeyRecord>, StoreError> {
+        let after = filter.after.as_ref();
         sqlx::query(LIST)
             .bind(filter.state.map(|s| s.as_str()))
             .bind(filter.scope.as_deref())
             .bind(filter.operation.as_deref())
             .bind(filter.older_than.map(millis))
             .bind(i64::from(filter.limit))
+            .bind(after.map(|c| c.created_at().timestamp_millis()))
+            .bind(after.map(|c| c.key().scope()))
+            .bind(after.map(|c| c.key().operation()))
+            .bind(after.map(|c| c.key().key()))
             .fetch_all(&self.pool)
             .await?
             .iter()

@@ -10,6 +10,7 @@
 //! | `journal` | [`Journal`](crate::store::Journal) | the statements of durable steps and recovery, fenced by the lease token |
 //! | `reserve_in_transaction` | [`ReserveInTransaction`](crate::store::ReserveInTransaction) | the single-transaction mode |
 //! | `completion_signal` | [`CompletionSignal`](crate::store::CompletionSignal) | waiting for a pending key to settle |
+//! | `maintenance` | [`Maintenance`](crate::store::Maintenance) | the operator's listings: keyset paging visits every row once |
 //!
 //! A scenario gets a fresh, migrated store from the function the macro is given (an `async fn`
 //! returning `Option<S>`; `None` skips the test, e.g. when no database server is configured),
@@ -38,6 +39,8 @@
 pub mod completion_signal;
 #[doc(hidden)]
 pub mod journal;
+#[doc(hidden)]
+pub mod maintenance;
 #[doc(hidden)]
 pub mod protocol;
 #[doc(hidden)]
@@ -436,7 +439,8 @@ async fn poll_then_drop<F: Future>(future: F, polls: u64) -> Option<F::Output> {
 /// fresh, migrated store on an empty database for each test (`None` skips the test). The
 /// suites: `protocol` ([`Store`]), `journal` ([`Journal`](crate::store::Journal)),
 /// `reserve_in_transaction` ([`ReserveInTransaction`](crate::store::ReserveInTransaction)),
-/// `completion_signal` ([`CompletionSignal`](crate::store::CompletionSignal)). End with
+/// `completion_signal` ([`CompletionSignal`](crate::store::CompletionSignal)), `maintenance`
+/// ([`Maintenance`](crate::store::Maintenance)). End with
 /// `single_writer` for a store whose business transactions block each other's writes
 /// ([`Profile::single_writer`]). The calling crate needs `tokio` with the `macros` and
 /// `rt-multi-thread` features.
@@ -553,6 +557,14 @@ macro_rules! __conformance_suite {
             a_waiter_times_out_while_the_holder_works,
             a_release_settles_the_wait,
             another_requests_completion_settles_the_wait,
+        );
+    };
+    (maintenance, $open:expr, $profile:expr) => {
+        $crate::__conformance_tests!(
+            maintenance,
+            $open,
+            $profile,
+            pages_after_a_cursor_visit_every_row_once,
         );
     };
 }
