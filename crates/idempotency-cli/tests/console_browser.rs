@@ -479,8 +479,27 @@ async fn wait_text(client: &Client, id: &str, text: &str) {
     .await;
 }
 
+/// Saves a PNG of the whole page (up to 2400 pixels high): the window grows to the page's height
+/// for the picture, then goes back to 1280x900.
 async fn screenshot(client: &Client, name: &str) {
+    let sizes = client
+        .execute(
+            "return [document.documentElement.scrollHeight, window.outerHeight - window.innerHeight];",
+            vec![],
+        )
+        .await
+        .expect("the page's height");
+    let px = |i: usize| sizes[i].as_u64().unwrap_or(0) as u32;
+    let height = (px(0) + px(1)).clamp(900, 2400);
+    client
+        .set_window_size(1280, height)
+        .await
+        .expect("grow the window");
     let png = client.screenshot().await.expect("screenshot");
+    client
+        .set_window_size(1280, 900)
+        .await
+        .expect("window back to 1280x900");
     assert!(png.starts_with(b"\x89PNG"), "a PNG");
     let dir = screenshot_dir();
     std::fs::create_dir_all(&dir).expect("screenshot folder");
