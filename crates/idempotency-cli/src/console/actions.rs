@@ -119,20 +119,18 @@ fn changed() -> Response {
     )
 }
 
-/// The operator's note from the form, or what is missing.
-fn note(fields: &Fields) -> Result<Note, Response> {
+/// The operator's note from the form, or what is missing (answered with 422).
+fn note(fields: &Fields) -> Result<Note, String> {
     let note = Note {
         operator: fields.text("operator").to_owned(),
         reason: fields.text("reason").to_owned(),
         evidence: fields.text("evidence").to_owned(),
     };
     if note.reason.is_empty() {
-        return Err(unprocessable(
-            "A reason is required: say why, for whoever reads the history.",
-        ));
+        return Err("A reason is required: say why, for whoever reads the history.".into());
     }
     if note.operator.is_empty() {
-        return Err(unprocessable("The operator's name is required."));
+        return Err("The operator's name is required.".into());
     }
     Ok(note)
 }
@@ -143,17 +141,16 @@ fn seen(text: &str) -> Option<DateTime<Utc>> {
         .map(|t| t.with_timezone(&Utc))
 }
 
-/// The key and `seen` of a posted form.
-fn target(fields: &Fields) -> Result<(IdempotencyKey, DateTime<Utc>), Response> {
+/// The key and `seen` of a posted form, or what is wrong (answered with 422).
+fn target(fields: &Fields) -> Result<(IdempotencyKey, DateTime<Utc>), String> {
     let key = IdempotencyKey::new(
         fields.get("scope").unwrap_or(""),
         fields.get("operation").unwrap_or(""),
         fields.get("key").unwrap_or(""),
     )
-    .map_err(|e| unprocessable(&format!("invalid key: {e}")))?;
-    let seen = seen(fields.text("seen")).ok_or_else(|| {
-        unprocessable("The form does not say which version of the key it showed.")
-    })?;
+    .map_err(|e| format!("invalid key: {e}"))?;
+    let seen = seen(fields.text("seen"))
+        .ok_or("The form does not say which version of the key it showed.")?;
     Ok((key, seen))
 }
 
@@ -200,11 +197,11 @@ pub async fn resolve<S: Maintenance>(
     }
     let (key, seen) = match target(&fields) {
         Ok(target) => target,
-        Err(problem) => return problem,
+        Err(problem) => return unprocessable(&problem),
     };
     let note = match note(&fields) {
         Ok(note) => note,
-        Err(problem) => return problem,
+        Err(problem) => return unprocessable(&problem),
     };
     let resolution = match fields.text("resolution") {
         "completed" => {
@@ -236,11 +233,11 @@ pub async fn hand_back<S: Maintenance>(
     }
     let (key, seen) = match target(&fields) {
         Ok(target) => target,
-        Err(problem) => return problem,
+        Err(problem) => return unprocessable(&problem),
     };
     let note = match note(&fields) {
         Ok(note) => note,
-        Err(problem) => return problem,
+        Err(problem) => return unprocessable(&problem),
     };
     answer(
         &key,
@@ -343,7 +340,7 @@ pub async fn bulk_confirm<S: Maintenance>(
     };
     let note = match note(&fields) {
         Ok(note) => note,
-        Err(problem) => return problem,
+        Err(problem) => return unprocessable(&problem),
     };
     let mut targets = Vec::new();
     for item in fields.all("k") {
