@@ -713,3 +713,74 @@ test_support::backend_tests! {
     the_list_pages_on_a_cursor,
     bulk_acts_on_the_previewed_keys,
 }
+
+/// The console refuses to start without a password (exit 2, before connecting); the password
+/// may come from a file, whose first line it is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_password_comes_from_the_environment_or_a_file() {
+    let refused = std::process::Command::new(env!("CARGO_BIN_EXE_idem"))
+        .env_remove("IDEM_CONSOLE_PASSWORD")
+        .args([
+            "--database-url",
+            "sqlite:///nonexistent/never-opened.db",
+            "console",
+        ])
+        .output()
+        .expect("run idem");
+    assert_eq!(refused.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("IDEM_CONSOLE_PASSWORD"));
+
+    let database = TestDatabase::Sqlite.fresh_database().await.unwrap();
+    SqliteStore::connect(&database.url)
+        .await
+        .unwrap()
+        .migrate()
+        .await
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("password");
+    std::fs::write(&file, "from-a-file\nignored second line\n").unwrap();
+    let mut command = Command::new(env!("CARGO_BIN_EXE_idem"));
+    command
+        .env_remove("IDEM_CONSOLE_PASSWORD")
+        .args([
+            "--database-url",
+            &database.url,
+            "console",
+            "--listen",
+            "127.0.0.1:0",
+            "--password-file",
+        ])
+        .arg(&file)
+        .stdout(Stdio::piped())
+        .kill_on_drop(true);
+    let mut child = command.spawn().unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let line = tokio::time::timeout(Duration::from_secs(120), lines.next_line())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    let base = line.strip_prefix("idem console: listening on ").unwrap();
+    let http = Client::builder()
+        .redirect(redirect::Policy::none())
+        .build()
+        .unwrap();
+    let sign_in = |password: &'static str| {
+        http.post(format!("{base}/sign-in"))
+            .form(&[("password", password)])
+            .send()
+    };
+    assert_eq!(
+        sign_in("from-a-file").await.unwrap().status(),
+        StatusCode::SEE_OTHER
+    );
+    assert_eq!(
+        sign_in("from-a-file\nignored second line")
+            .await
+            .unwrap()
+            .status(),
+        StatusCode::UNAUTHORIZED
+    );
+    drop(child);
+}

@@ -27,6 +27,8 @@ use subtle::ConstantTimeEq;
 pub const COOKIE: &str = "idem_console";
 /// How long a session lasts after sign-in.
 pub const SESSION_LENGTH: Duration = Duration::from_secs(12 * 3600);
+/// How long a wrong password's answer waits.
+const WRONG_PASSWORD_PAUSE: Duration = Duration::from_millis(500);
 /// The largest form body read (a bulk confirmation of 100 keys fits many times).
 const MAX_FORM: usize = 1 << 20;
 
@@ -179,6 +181,8 @@ pub async fn require(
 pub async fn sign_in(State(sessions): State<Arc<Sessions>>, body: axum::body::Bytes) -> Response {
     let fields = Fields::parse(&body);
     if !sessions.is_secret(fields.get("password").unwrap_or("")) {
+        // Slows down guessing (one guess per connection per pause).
+        tokio::time::sleep(WRONG_PASSWORD_PAUSE).await;
         return layout::sign_in(StatusCode::UNAUTHORIZED, Some("Wrong password."));
     }
     let token = sessions.open();
