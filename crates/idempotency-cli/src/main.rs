@@ -22,7 +22,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, CommandFactory, Parser, Subcommand, ValueEnum};
 use db::{AnyStore, DatabaseUrl};
 use idempotency::{
-    maintenance::{KeyFilter, Purge, Recovery, RecoveryReport, Resolution},
+    maintenance::{KeyFilter, OperatorNote, Purge, Recovery, RecoveryReport, Resolution},
     store::{Journal, KeyState, Maintenance},
     IdempotencyKey,
 };
@@ -161,14 +161,47 @@ struct ResolveArgs {
     /// It did not happen: the key may be reserved again.
     #[arg(long)]
     failed: bool,
-    /// Why (kept on the row).
+    /// Why (kept on the row and in the key's history).
     #[arg(long, required = true)]
     reason: String,
+    #[command(flatten)]
+    operator: OperatorArgs,
     /// How long to keep the resolved key.
     #[arg(long, default_value = "24h", value_parser = humantime::parse_duration)]
     retention: Duration,
     #[command(flatten)]
     json: JsonFlag,
+}
+
+/// Who takes an operator action, and on what evidence (recorded in the key's history).
+#[derive(Debug, Args)]
+struct OperatorArgs {
+    /// Who acts (recorded in the key's history); default: $USER, else "operator".
+    #[arg(long)]
+    operator: Option<String>,
+    /// What the decision rests on, e.g. a provider dashboard link (recorded in the history).
+    #[arg(long)]
+    evidence: Option<String>,
+}
+
+impl OperatorArgs {
+    /// The note of an action taken for `reason`.
+    fn note(&self, reason: &str) -> OperatorNote {
+        let operator = self
+            .operator
+            .clone()
+            .or_else(|| {
+                std::env::var("USER")
+                    .ok()
+                    .filter(|user| !user.trim().is_empty())
+            })
+            .unwrap_or_else(|| "operator".to_owned());
+        let note = OperatorNote::new(operator, reason);
+        match &self.evidence {
+            Some(evidence) => note.with_evidence(evidence.clone()),
+            None => note,
+        }
+    }
 }
 
 #[derive(Debug, Args)]
@@ -278,6 +311,9 @@ async fn run(cli: Cli) -> Result<()> {
         if args.reason.trim().is_empty() {
             return Err(usage("--reason must not be empty"));
         }
+        if args.operator.operator.as_deref().map(str::trim) == Some("") {
+            return Err(usage("--operator must not be empty"));
+        }
     }
     if let Command::Console(args) = &cli.command {
         args.secret().map_err(|e| usage(&format!("{e:#}")))?;
@@ -374,9 +410,9 @@ async fn resolve<S: Maintenance>(store: &S, args: ResolveArgs) -> Result<()> {
         Some(path) => Resolution::Completed(read_result(path)?),
         None => Resolution::Failed,
     };
+    let note = args.operator.note(&args.reason);
     let record =
-        idempotency::maintenance::resolve(store, &key, &resolution, &args.reason, args.retention)
-            .await?;
+        idempotency::maintenance::resolve(store, &key, &resolution, &note, args.retention).await?;
     if args.json.json {
         println!("{:#}", render::record_json(&record));
     } else {

@@ -556,6 +556,13 @@ async fn resolve_with_a_reason_and_refuse_stale_pages(consoles: Consoles) {
     let (_, after) = ada.get(&location).await;
     assert_eq!(text_of(&after, "key-state"), "completed");
     assert!(after.contains(r#"id="flash""#));
+    let resolved = event(&after, "resolved");
+    assert!(
+        resolved.contains("ada")
+            && resolved.contains("charged at the provider")
+            && resolved.contains("ch_123"),
+        "{resolved}"
+    );
     let row = consoles.find(&first).await;
     assert_eq!(row.state, KeyState::Completed);
     assert_eq!(row.result.as_deref(), Some(br#"{"order":7}"#.as_slice()));
@@ -579,6 +586,12 @@ async fn resolve_with_a_reason_and_refuse_stale_pages(consoles: Consoles) {
         (KeyState::Completed, row.updated_at)
     );
     assert_eq!(unchanged.result, row.result);
+    let (_, now) = ada.get(&location).await;
+    assert_eq!(
+        now.matches(r#"data-kind="resolved""#).count(),
+        1,
+        "no event for the refusal"
+    );
 
     // A page of a key still parked, whose row changed since (parked anew after a hand-back by
     // another console), is stale too: the `seen` fence, not only the state.
@@ -598,6 +611,51 @@ async fn resolve_with_a_reason_and_refuse_stale_pages(consoles: Consoles) {
         StatusCode::CONFLICT
     );
     assert_eq!(consoles.find(&second).await.state, KeyState::NeedsReview);
+}
+
+/// The text of the first history entry of `kind` on a key's page.
+fn event(html: &str, kind: &str) -> String {
+    let needle = format!(r#"<li class="event" data-kind="{kind}">"#);
+    let at = html
+        .find(&needle)
+        .unwrap_or_else(|| panic!("no {kind} event in {html}"));
+    let rest = &html[at..];
+    unescape(&rest[..rest.find("</li>").unwrap()])
+}
+
+/// A parked key handed back goes to pending for the resumer, with a `handed_back` event by the
+/// operator; the action forms are gone, and a second hand-back from the same page is 409.
+async fn hand_back_returns_the_key_to_the_resumer(consoles: Consoles) {
+    let parked = key("mail", "k-back");
+    consoles.park(&parked).await;
+    let browser = consoles.sign_in(&consoles.actions).await;
+    let page = browser.key_page(&parked).await;
+    assert!(page.contains(r#"<form id="hand-back" method="post" action="/key/hand-back""#));
+    let form = with(
+        &action_form(&page, &parked),
+        &[("reason", "the provider answers again")],
+    );
+    let answer = browser.post("/key/hand-back", &pairs(&form)).await;
+    assert_eq!(answer.status(), StatusCode::SEE_OTHER);
+    let location = answer.headers()[header::LOCATION]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    let (_, after) = browser.get(&location).await;
+    assert_eq!(text_of(&after, "key-state"), "pending");
+    assert!(after.contains(r#"id="flash""#) && !after.contains(r#"id="hand-back""#));
+    let handed = event(&after, "handed_back");
+    assert!(
+        handed.contains("ada") && handed.contains("the provider answers again"),
+        "{handed}"
+    );
+    let row = consoles.find(&parked).await;
+    assert_eq!(row.state, KeyState::Pending);
+    assert_eq!(
+        browser.post("/key/hand-back", &pairs(&form)).await.status(),
+        StatusCode::CONFLICT
+    );
+    assert_eq!(consoles.find(&parked).await.updated_at, row.updated_at);
 }
 
 /// The list pages with a keyset cursor: every parked key once over the pages.
@@ -710,6 +768,7 @@ test_support::backend_tests! {
     posts_without_the_csrf_token_are_refused,
     read_only_refuses_actions,
     resolve_with_a_reason_and_refuse_stale_pages,
+    hand_back_returns_the_key_to_the_resumer,
     the_list_pages_on_a_cursor,
     bulk_acts_on_the_previewed_keys,
 }

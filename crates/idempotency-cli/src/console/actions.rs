@@ -18,9 +18,9 @@ use axum::{
 };
 use chrono::{DateTime, Utc};
 use idempotency::{
-    maintenance::{KeyFilter, Resolution},
+    maintenance::{self, KeyFilter, OperatorNote, Resolution, ResolveError},
     store::{KeyRecord, KeyState, Maintenance},
-    IdempotencyKey, StoreError,
+    IdempotencyKey,
 };
 use maud::{html, Markup};
 
@@ -32,25 +32,6 @@ pub const BULK_MAX: u32 = 100;
 enum Action {
     Resolve(Resolution),
     HandBack,
-}
-
-/// Who acts and why, as posted.
-#[derive(Debug, Clone)]
-struct Note {
-    operator: String,
-    reason: String,
-    evidence: String,
-}
-
-/// What became of one key.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Acted {
-    /// Written.
-    Done,
-    /// The row changed since `seen` (or is no longer parked): nothing written.
-    Changed,
-    /// No such key any more.
-    Missing,
 }
 
 /// The forms of a parked key's page: resolve, and hand back.
@@ -65,7 +46,7 @@ pub fn forms(record: &KeyRecord, csrf: &str) -> Markup {
     html! {
         h3 { "Actions" }
         div class="actions" {
-            form id="resolve" class="action" method="post" action="/key/resolve" {
+            form id="resolve" method="post" action="/key/resolve" class="action" {
                 h4 { "Resolve" }
                 (hidden)
                 label { "Outcome"
@@ -80,7 +61,7 @@ pub fn forms(record: &KeyRecord, csrf: &str) -> Markup {
                 (note_fields(""))
                 button id="resolve-submit" type="submit" { "Resolve" }
             }
-            form id="hand-back" class="action" method="post" action="/key/hand-back" {
+            form id="hand-back" method="post" action="/key/hand-back" class="action" {
                 h4 { "Hand back to the resumer" }
                 p class="muted" { "It asks the provider again, with the same provider keys." }
                 (hidden)
@@ -119,20 +100,20 @@ fn changed() -> Response {
     )
 }
 
-/// The operator's note from the form, or what is missing (answered with 422).
-fn note(fields: &Fields) -> Result<Note, String> {
-    let note = Note {
-        operator: fields.text("operator").to_owned(),
-        reason: fields.text("reason").to_owned(),
-        evidence: fields.text("evidence").to_owned(),
-    };
-    if note.reason.is_empty() {
+/// The operator's note from the form (fenced on `seen`), or what is missing (answered with 422).
+fn note(fields: &Fields, seen: DateTime<Utc>) -> Result<OperatorNote, String> {
+    let (operator, reason) = (fields.text("operator"), fields.text("reason"));
+    if reason.is_empty() {
         return Err("A reason is required: say why, for whoever reads the history.".into());
     }
-    if note.operator.is_empty() {
+    if operator.is_empty() {
         return Err("The operator's name is required.".into());
     }
-    Ok(note)
+    let note = OperatorNote::new(operator, reason).with_seen(seen);
+    Ok(match fields.text("evidence") {
+        "" => note,
+        evidence => note.with_evidence(evidence),
+    })
 }
 
 fn seen(text: &str) -> Option<DateTime<Utc>> {
@@ -154,37 +135,20 @@ fn target(fields: &Fields) -> Result<(IdempotencyKey, DateTime<Utc>), String> {
     Ok((key, seen))
 }
 
-/// Applies `action` to `key` if its row is still the parked one the operator saw.
+/// Applies `action` to `key`, only if its row is still the parked one the operator saw (the
+/// note's `seen`); records the operator and the note in the key's history.
 async fn act<S: Maintenance>(
     app: &App<S>,
     key: &IdempotencyKey,
-    seen: DateTime<Utc>,
     action: &Action,
-    note: &Note,
-) -> Result<Acted, StoreError> {
-    let Some(row) = app.store.find(key).await? else {
-        return Ok(Acted::Missing);
-    };
-    if row.state != KeyState::NeedsReview || time(row.updated_at) != time(seen) {
-        return Ok(Acted::Changed);
-    }
-    let reason = if note.evidence.is_empty() {
-        format!("{} (by {})", note.reason, note.operator)
-    } else {
-        format!(
-            "{} (by {}; evidence: {})",
-            note.reason, note.operator, note.evidence
-        )
-    };
-    let acted = match action {
+    note: &OperatorNote,
+) -> Result<KeyRecord, ResolveError> {
+    match action {
         Action::Resolve(resolution) => {
-            app.store
-                .resolve(key, resolution, &reason, app.settings.retention)
-                .await?
+            maintenance::resolve(&app.store, key, resolution, note, app.settings.retention).await
         }
-        Action::HandBack => return Ok(Acted::Changed),
-    };
-    Ok(if acted { Acted::Done } else { Acted::Changed })
+        Action::HandBack => maintenance::hand_back(&app.store, key, note).await,
+    }
 }
 
 /// `POST /key/resolve`: completed (with the JSON result to replay) or failed.
@@ -199,7 +163,7 @@ pub async fn resolve<S: Maintenance>(
         Ok(target) => target,
         Err(problem) => return unprocessable(&problem),
     };
-    let note = match note(&fields) {
+    let note = match note(&fields, seen) {
         Ok(note) => note,
         Err(problem) => return unprocessable(&problem),
     };
@@ -218,7 +182,7 @@ pub async fn resolve<S: Maintenance>(
     };
     answer(
         &key,
-        act(&app, &key, seen, &Action::Resolve(resolution), &note).await,
+        act(&app, &key, &Action::Resolve(resolution), &note).await,
         "resolved",
     )
 }
@@ -235,26 +199,35 @@ pub async fn hand_back<S: Maintenance>(
         Ok(target) => target,
         Err(problem) => return unprocessable(&problem),
     };
-    let note = match note(&fields) {
+    let note = match note(&fields, seen) {
         Ok(note) => note,
         Err(problem) => return unprocessable(&problem),
     };
     answer(
         &key,
-        act(&app, &key, seen, &Action::HandBack, &note).await,
+        act(&app, &key, &Action::HandBack, &note).await,
         "handed_back",
     )
 }
 
-/// The answer to one key's action: back to its page, or 409 / 404 / 500.
-fn answer(key: &IdempotencyKey, acted: Result<Acted, StoreError>, done: &str) -> Response {
-    match acted {
-        Ok(Acted::Done) => Redirect::to(&key_href(key, done)).into_response(),
-        Ok(Acted::Changed) => changed(),
-        Ok(Acted::Missing) => {
+/// A refused action as a page: 409 when the key changed meanwhile (or is no longer parked),
+/// 404, 422 for a note the store refuses, 500 for a database failure.
+fn refused(error: ResolveError) -> Response {
+    match error {
+        ResolveError::Stale { .. } | ResolveError::NotParked { .. } => changed(),
+        ResolveError::NotFound(key) => {
             layout::problem(StatusCode::NOT_FOUND, &format!("There is no key {key}."))
         }
-        Err(error) => database_error(error),
+        ResolveError::Store(error) => database_error(error),
+        other => unprocessable(&other.to_string()),
+    }
+}
+
+/// The answer to one key's action: back to its page (with a flash naming `done`), or refused.
+fn answer(key: &IdempotencyKey, acted: Result<KeyRecord, ResolveError>, done: &str) -> Response {
+    match acted {
+        Ok(_) => Redirect::to(&key_href(key, done)).into_response(),
+        Err(error) => refused(error),
     }
 }
 
@@ -306,7 +279,7 @@ pub async fn bulk_preview<S: Maintenance>(
             }
         }
         @if !records.is_empty() {
-            form id="bulk-confirm" class="action" method="post" action="/keys/bulk/confirm" {
+            form id="bulk-confirm" method="post" action="/keys/bulk/confirm" class="action" {
                 input type="hidden" name="csrf" value=(signed.csrf);
                 input type="hidden" name="action" value=(fields.text("action"));
                 @for record in &records {
@@ -338,7 +311,8 @@ pub async fn bulk_confirm<S: Maintenance>(
     let Some((action, label)) = bulk_action(&fields) else {
         return unprocessable("The action is either failed or hand_back.");
     };
-    let note = match note(&fields) {
+    // Checked once here; each key's action is fenced on its own `seen` below.
+    let note = match note(&fields, DateTime::UNIX_EPOCH) {
         Ok(note) => note,
         Err(problem) => return unprocessable(&problem),
     };
@@ -359,10 +333,16 @@ pub async fn bulk_confirm<S: Maintenance>(
     }
     let (mut done, mut changed) = (0, Vec::new());
     for (key, seen) in &targets {
-        match act(&app, key, *seen, &action, &note).await {
-            Ok(Acted::Done) => done += 1,
-            Ok(Acted::Changed | Acted::Missing) => changed.push(key.clone()),
-            Err(error) => return database_error(error),
+        match act(&app, key, &action, &note.clone().with_seen(*seen)).await {
+            Ok(_) => done += 1,
+            Err(
+                ResolveError::Stale { .. }
+                | ResolveError::NotParked { .. }
+                | ResolveError::NotFound(_),
+            ) => changed.push(key.clone()),
+            // A database failure; or a note the store refuses, the same for every key, so
+            // refused at the first, before any write.
+            Err(error) => return refused(error),
         }
     }
     let body = html! {

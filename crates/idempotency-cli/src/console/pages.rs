@@ -17,7 +17,7 @@ use axum::{
 use chrono::{DateTime, Utc};
 use idempotency::{
     durable::provider_key,
-    maintenance::{KeyCursor, KeyFilter},
+    maintenance::{KeyCursor, KeyEvent, KeyFilter},
     store::{KeyRecord, KeyState, Maintenance},
     IdempotencyKey,
 };
@@ -26,6 +26,9 @@ use serde::{Deserialize, Serialize};
 
 /// Rows per page of the key list.
 pub const PAGE_SIZE: u32 = 50;
+
+/// The most events of a key's history shown (the newest).
+pub const HISTORY_SHOWN: u32 = 200;
 
 fn state_cell(state: KeyState) -> Markup {
     html! { span class={ "state-" (state.as_str()) } { (state.as_str()) } }
@@ -280,7 +283,7 @@ pub async fn keys<S: Maintenance>(
 fn filters_form(query: &ListQuery) -> Markup {
     let states = ["", "pending", "completed", "needs_review", "failed"];
     html! {
-        form id="filters" class="filters" method="get" action="/keys" {
+        form id="filters" method="get" action="/keys" class="filters" {
             label { "State"
                 select name="state" id="filter-state" {
                     @for state in states {
@@ -300,7 +303,7 @@ fn filters_form(query: &ListQuery) -> Markup {
 
 fn bulk_form(query: &ListQuery, csrf: &str) -> Markup {
     html! {
-        form id="bulk" class="action" method="post" action="/keys/bulk" {
+        form id="bulk" method="post" action="/keys/bulk" class="action" {
             h3 { "Act on every key of this filter" }
             input type="hidden" name="csrf" value=(csrf);
             input type="hidden" name="operation" value=(query.operation);
@@ -333,8 +336,13 @@ pub async fn key<S: Maintenance>(
             )
         }
     };
-    let record = match app.store.find(&key).await {
-        Ok(Some(record)) => record,
+    let read = async {
+        let record = app.store.find(&key).await?;
+        let events = app.store.history(&key, HISTORY_SHOWN).await?;
+        Ok::<_, idempotency::StoreError>(record.map(|record| (record, events)))
+    };
+    let (record, events) = match read.await {
+        Ok(Some(read)) => read,
         Ok(None) => {
             return layout::problem(StatusCode::NOT_FOUND, &format!("There is no key {key}."))
         }
@@ -361,7 +369,7 @@ pub async fn key<S: Maintenance>(
         h3 { "Provider keys" }
         (provider_keys(&record))
         h3 { "History" }
-        ol id="history" {}
+        (history(&events))
         @if actions {
             (super::actions::forms(&record, &signed.csrf))
         }
@@ -370,6 +378,27 @@ pub async fn key<S: Maintenance>(
         StatusCode::OK,
         page(&key.to_string(), Some(&signed.csrf), body),
     )
+}
+
+/// A key's history, oldest first: time, what happened, who, the particulars.
+fn history(events: &[KeyEvent]) -> Markup {
+    html! {
+        ol id="history" {
+            @for event in events {
+                li class="event" data-kind=(event.kind.as_str()) {
+                    span class="at" { (time(event.at)) } " "
+                    strong class="kind" { (event.kind.as_str()) }
+                    @if let Some(actor) = &event.actor { " by " span class="actor" { (actor) } }
+                    @if let Some(detail) = &event.detail { ": " span class="detail" { (detail) } }
+                }
+            }
+        }
+        @if events.is_empty() {
+            p class="muted" { "No events recorded." }
+        } @else if events.len() as u32 == HISTORY_SHOWN {
+            p class="muted" { "The newest " (HISTORY_SHOWN) " events are shown." }
+        }
+    }
 }
 
 fn flash(done: &str) -> Option<&'static str> {

@@ -1,5 +1,6 @@
 //! The statements of the operator side: recovery of abandoned keys, retention purge, listing,
 
+use super::history::{KeyEvent, OperatorNote};
 use super::{KeyRecord, KeyState, LeaseToken, Store};
 use crate::{error::StoreError, IdempotencyKey};
 use chrono::{DateTime, Utc};
@@ -256,7 +257,12 @@ impl KeyStats {
 /// * every time comparison and every written time uses the database clock;
 /// * every changing method is **one** conditional statement, committed on its own (autocommit),
 ///   whose condition is re-checked by the database at write time, and it reports through its
-///   return value whether it acted; losing a race is `Ok(false)` / `Ok(0)`, never an error;
+///   return value whether it acted; losing a race is `Ok(false)` / `Ok(0)`, never an error.
+///   Where the change writes an event into the key's history ([`resolve`](Self::resolve),
+///   [`hand_back`](Self::hand_back)), the row and its event are written together: in the same
+///   statement (a data-modifying CTE on PostgreSQL) or in one short transaction of their own
+///   (the conditional update, then the event only if the update acted), never one without the
+///   other;
 /// * a purge never deletes `pending` or `needs_review` rows, and deletes at most `batch` rows per
 ///   statement, skipping rows another session holds locked where the database allows it.
 ///
@@ -331,16 +337,40 @@ pub trait Maintenance: Store {
     ) -> impl Future<Output = Result<Vec<KeyRecord>, StoreError>> + Send;
 
     /// Resolves a parked key: moves it from `needs_review` to `completed` (with the result bytes)
-    /// or `failed` (result cleared), records `reason`, sets `expires_at = now() + retention`, only
-    /// where it is still `needs_review`. Returns whether it did. Callers validate `reason`
-    /// (see [`crate::recovery::resolve`]).
+    /// or `failed` (result cleared), records the note's reason on the row, sets `expires_at =
+    /// now() + retention`, only where it is still `needs_review` and, when `note.seen` is set,
+    /// only where its `updated_at` still equals `seen` at millisecond precision. Appends a
+    /// `resolved` event (actor: the operator; detail: the resolution, reason and evidence) with
+    /// the change. Returns whether it did. Callers validate the note (see
+    /// [`crate::maintenance::resolve`]).
     fn resolve(
         &self,
         key: &IdempotencyKey,
         resolution: &Resolution,
-        reason: &str,
+        note: &OperatorNote,
         retention: Duration,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// Hands a parked key back to the resumer, so it asks the provider again: only where it is
+    /// `needs_review` (and, when `note.seen` is set, its `updated_at` still equals `seen` at
+    /// millisecond precision), moves it to `pending` with its lease ended (`lease_until =
+    /// now()`), `recovery_attempts = 0` and the note's reason, and appends a `handed_back` event
+    /// (actor: the operator; detail: reason and evidence) with the change. The lease token is
+    /// kept: the recovery job claims the key from it. Returns whether it did. Callers validate
+    /// the note (see [`crate::maintenance::hand_back`]).
+    fn hand_back(
+        &self,
+        key: &IdempotencyKey,
+        note: &OperatorNote,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// The history of `key`, oldest first: its newest `limit` events (a released key keeps its
+    /// history, and a later reservation continues it). Reads only.
+    fn history(
+        &self,
+        key: &IdempotencyKey,
+        limit: u32,
+    ) -> impl Future<Output = Result<Vec<KeyEvent>, StoreError>> + Send;
 
     /// Row counts by operation and state, the age of the oldest pending row, the number of
     /// expired leases and of purgeable rows, all by the database clock.

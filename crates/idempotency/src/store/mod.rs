@@ -4,6 +4,7 @@
 //! that changes a row is *conditional*: it names the lease token it expects, so a stale worker, a
 //! recovery job and a retry can never both act on one key.
 
+pub(crate) mod history;
 pub(crate) mod maintenance;
 #[cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql"))]
 mod migration;

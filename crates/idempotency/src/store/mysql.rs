@@ -1,5 +1,6 @@
 //! MySQL / MariaDB store (feature `mysql`), on InnoDB.
 
+use super::history::{self, EventKind, KeyEvent, NewEvent, OperatorNote};
 use super::migration::{self, Bookkeeping, Migration};
 use super::row::{uuid, KeyRow};
 use super::{millis, Insertion, KeyRecord, LeaseToken, PendingRow, ReservedIn, Store};
@@ -24,6 +25,11 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         version: 2,
         description: "durable steps: recovery point, request, progress",
         sql: include_str!("../../migrations/mysql/0002_durable_steps.sql"),
+    },
+    Migration {
+        version: 3,
+        description: "key history: idempotency_key_events",
+        sql: include_str!("../../migrations/mysql/0003_key_events.sql"),
     },
 ];
 
@@ -677,6 +683,79 @@ impl MySqlStore {
     }
 }
 
+/// The fence of an operator action on the row it saw (two parameters, both `seen` in
+/// milliseconds since the epoch): none, or the row's `updated_at` equals it at millisecond
+/// precision (truncated, as the other backends compare).
+macro_rules! seen_matches {
+    () => {
+        "(? IS NULL OR TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', updated_at) DIV 1000 = ?)"
+    };
+}
+
+impl MySqlStore {
+    /// Runs a conditional update and, only if it changed the row, appends `event` to the key's
+    /// history, both in one transaction: the history never disagrees with the row. Run again
+    /// whole when InnoDB chose it as a deadlock victim; losing a race is `Ok(false)`.
+    async fn logged_change<'q>(
+        &self,
+        key: &IdempotencyKey,
+        event: &NewEvent<'_>,
+        update: impl Fn() -> sqlx::query::Query<'q, MySql, sqlx::mysql::MySqlArguments>,
+    ) -> Result<bool, StoreError> {
+        let mut attempt = 1;
+        loop {
+            match self.try_logged_change(key, event, update()).await {
+                Ok(changed) => return Ok(changed),
+                Err(e)
+                    if attempt < WRITE_ATTEMPTS && error_number(&e) == Some(ER_LOCK_DEADLOCK) =>
+                {
+                    attempt += 1;
+                }
+                Err(e) if lost_race(&e) => return Ok(false),
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    /// One attempt of [`logged_change`](Self::logged_change).
+    async fn try_logged_change(
+        &self,
+        key: &IdempotencyKey,
+        event: &NewEvent<'_>,
+        update: sqlx::query::Query<'_, MySql, sqlx::mysql::MySqlArguments>,
+    ) -> Result<bool, sqlx::Error> {
+        let mut tx = self.pool.begin().await?;
+        if update.execute(&mut *tx).await?.rows_affected() != 1 {
+            tx.rollback().await?;
+            return Ok(false);
+        }
+        append_event(&mut tx, key, event).await?;
+        tx.commit().await?;
+        Ok(true)
+    }
+}
+
+/// Appends `event` to the history of `key` inside `tx`, at the server's clock.
+async fn append_event(
+    tx: &mut Transaction<'_, MySql>,
+    key: &IdempotencyKey,
+    event: &NewEvent<'_>,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "INSERT INTO idempotency_key_events (scope, operation, idem_key, at, kind, detail, actor)
+         VALUES (?, ?, ?, UTC_TIMESTAMP(3), ?, ?, ?)",
+    )
+    .bind(key.scope().as_bytes())
+    .bind(key.operation().as_bytes())
+    .bind(key.key().as_bytes())
+    .bind(event.kind.as_str())
+    .bind(event.detail.as_deref())
+    .bind(event.actor)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
 impl super::Maintenance for MySqlStore {
     async fn expired_leases(&self, limit: u32) -> Result<Vec<KeyRecord>, StoreError> {
         sqlx::query(EXPIRED_LEASES)
@@ -779,30 +858,94 @@ impl super::Maintenance for MySqlStore {
         &self,
         key: &IdempotencyKey,
         resolution: &super::Resolution,
-        reason: &str,
+        note: &OperatorNote,
         retention: Duration,
     ) -> Result<bool, StoreError> {
         let result = match resolution {
             super::Resolution::Completed(bytes) => Some(bytes.as_slice()),
             super::Resolution::Failed => None,
         };
-        self.conditional(|| {
-            sqlx::query(
+        let state = resolution.state().as_str();
+        let event = NewEvent {
+            kind: EventKind::Resolved,
+            detail: Some(history::resolved_detail(state, note)),
+            actor: Some(note.actor()),
+        };
+        self.logged_change(key, &event, || {
+            sqlx::query(concat!(
                 "UPDATE idempotency_keys SET
                     state = ?, result = ?, reason = ?, updated_at = UTC_TIMESTAMP(6),
                     expires_at = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND
                  WHERE scope = ? AND operation = ? AND idem_key = ?
-                   AND state = 'needs_review'",
-            )
-            .bind(resolution.state().as_str())
+                   AND state = 'needs_review' AND ",
+                seen_matches!()
+            ))
+            .bind(state)
             .bind(result)
-            .bind(reason)
+            .bind(note.reason.as_str())
             .bind(micros(retention))
             .bind(key.scope().as_bytes())
             .bind(key.operation().as_bytes())
             .bind(key.key().as_bytes())
+            .bind(note.seen_millis())
+            .bind(note.seen_millis())
         })
         .await
+    }
+
+    async fn hand_back(
+        &self,
+        key: &IdempotencyKey,
+        note: &OperatorNote,
+    ) -> Result<bool, StoreError> {
+        let event = NewEvent {
+            kind: EventKind::HandedBack,
+            detail: Some(history::handed_back_detail(note)),
+            actor: Some(note.actor()),
+        };
+        self.logged_change(key, &event, || {
+            sqlx::query(concat!(
+                "UPDATE idempotency_keys SET
+                    state = 'pending', lease_until = UTC_TIMESTAMP(6), recovery_attempts = 0,
+                    reason = ?, updated_at = UTC_TIMESTAMP(6)
+                 WHERE scope = ? AND operation = ? AND idem_key = ?
+                   AND state = 'needs_review' AND ",
+                seen_matches!()
+            ))
+            .bind(note.reason.as_str())
+            .bind(key.scope().as_bytes())
+            .bind(key.operation().as_bytes())
+            .bind(key.key().as_bytes())
+            .bind(note.seen_millis())
+            .bind(note.seen_millis())
+        })
+        .await
+    }
+
+    async fn history(&self, key: &IdempotencyKey, limit: u32) -> Result<Vec<KeyEvent>, StoreError> {
+        sqlx::query(
+            "SELECT at, kind, detail, actor FROM (
+                SELECT id, at, kind, detail, actor FROM idempotency_key_events
+                 WHERE scope = ? AND operation = ? AND idem_key = ?
+                 ORDER BY id DESC LIMIT ?) newest
+             ORDER BY id",
+        )
+        .bind(key.scope().as_bytes())
+        .bind(key.operation().as_bytes())
+        .bind(key.key().as_bytes())
+        .bind(i64::from(limit))
+        .fetch_all(&self.pool)
+        .await?
+        .iter()
+        .map(|row| {
+            history::event(
+                row.try_get("at")?,
+                &text(row, "kind")?,
+                optional_text(row, "detail")?,
+                optional_text(row, "actor")?,
+            )
+        })
+        .collect()
     }
 
     async fn stats(&self) -> Result<super::KeyStats, StoreError> {
@@ -874,7 +1017,7 @@ mod tests {
         .fetch_all(&mut *conn)
         .await
         .unwrap();
-        assert_eq!(versions, vec![1, 2]);
+        assert_eq!(versions, vec![1, 2, 3]);
         // Without the tolerance, the duplicate fails the migration (what a second node saw).
         let strict = Bookkeeping {
             recorded_meanwhile: |_| false,

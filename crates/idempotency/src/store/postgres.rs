@@ -1,5 +1,6 @@
 //! PostgreSQL store (feature `postgres`).
 
+use super::history::{self, KeyEvent, OperatorNote};
 use super::migration::{self, Bookkeeping, Migration};
 use super::row::KeyRow;
 use super::{millis, Insertion, KeyRecord, LeaseToken, PendingRow, ReservedIn, Store};
@@ -30,6 +31,11 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         version: 3,
         description: "durable steps: recovery point, request, progress",
         sql: include_str!("../../migrations/postgres/0003_durable_steps.sql"),
+    },
+    Migration {
+        version: 4,
+        description: "key history: idempotency_key_events",
+        sql: include_str!("../../migrations/postgres/0004_key_events.sql"),
     },
 ];
 
@@ -671,6 +677,21 @@ impl super::CompletionSignal for PgStore {
 
 // --- Maintenance: recovery, purge, listing, resolution, statistics ------------------------------
 
+/// The fence of an operator action on the row it saw: no `seen` (a NULL parameter), or the
+/// row's `updated_at` equals it at millisecond precision (both truncated, as the other backends
+/// compare).
+macro_rules! seen_matches {
+    ($param:literal) => {
+        concat!(
+            "(",
+            $param,
+            "::BIGINT IS NULL OR (extract(epoch FROM date_trunc('milliseconds', updated_at)) * 1000)::BIGINT = ",
+            $param,
+            ")"
+        )
+    };
+}
+
 const EXPIRED_LEASES: &str = concat!(
     "SELECT ",
     columns!(),
@@ -804,30 +825,96 @@ impl super::Maintenance for PgStore {
         &self,
         key: &IdempotencyKey,
         resolution: &super::Resolution,
-        reason: &str,
+        note: &OperatorNote,
         retention: Duration,
     ) -> Result<bool, StoreError> {
         let result = match resolution {
             super::Resolution::Completed(bytes) => Some(bytes.as_slice()),
             super::Resolution::Failed => None,
         };
+        let state = resolution.state().as_str();
+        // One statement: the row and its event are written together or not at all.
         self.conditional(
+            sqlx::query(concat!(
+                "WITH changed AS (
+                    UPDATE idempotency_keys SET
+                        state = $4, result = $5, reason = $6, updated_at = now(),
+                        expires_at = now() + $7 * INTERVAL '1 millisecond'
+                     WHERE scope = $1 AND operation = $2 AND idem_key = $3
+                       AND state = 'needs_review' AND ",
+                seen_matches!("$8"),
+                " RETURNING scope, operation, idem_key)
+                 INSERT INTO idempotency_key_events (scope, operation, idem_key, at, kind, detail, actor)
+                 SELECT scope, operation, idem_key, now(), 'resolved', $9, $10 FROM changed"
+            ))
+            .bind(key.scope())
+            .bind(key.operation())
+            .bind(key.key())
+            .bind(state)
+            .bind(result)
+            .bind(note.reason.as_str())
+            .bind(millis(retention))
+            .bind(note.seen_millis())
+            .bind(history::resolved_detail(state, note))
+            .bind(note.actor()),
+        )
+        .await
+    }
+
+    async fn hand_back(
+        &self,
+        key: &IdempotencyKey,
+        note: &OperatorNote,
+    ) -> Result<bool, StoreError> {
+        self.conditional(
+            sqlx::query(concat!(
+                "WITH changed AS (
+                    UPDATE idempotency_keys SET
+                        state = 'pending', lease_until = now(), recovery_attempts = 0,
+                        reason = $4, updated_at = now()
+                     WHERE scope = $1 AND operation = $2 AND idem_key = $3
+                       AND state = 'needs_review' AND ",
+                seen_matches!("$5"),
+                " RETURNING scope, operation, idem_key)
+                 INSERT INTO idempotency_key_events (scope, operation, idem_key, at, kind, detail, actor)
+                 SELECT scope, operation, idem_key, now(), 'handed_back', $6, $7 FROM changed"
+            ))
+            .bind(key.scope())
+            .bind(key.operation())
+            .bind(key.key())
+            .bind(note.reason.as_str())
+            .bind(note.seen_millis())
+            .bind(history::handed_back_detail(note))
+            .bind(note.actor()),
+        )
+        .await
+    }
+
+    async fn history(&self, key: &IdempotencyKey, limit: u32) -> Result<Vec<KeyEvent>, StoreError> {
+        self.rows(
             sqlx::query(
-                "UPDATE idempotency_keys SET
-                    state = $4, result = $5, reason = $6, updated_at = now(),
-                    expires_at = now() + $7 * INTERVAL '1 millisecond'
-                 WHERE scope = $1 AND operation = $2 AND idem_key = $3
-                   AND state = 'needs_review'",
+                "SELECT at, kind, detail, actor FROM (
+                    SELECT id, at, kind, detail, actor FROM idempotency_key_events
+                     WHERE scope = $1 AND operation = $2 AND idem_key = $3
+                     ORDER BY id DESC LIMIT $4) newest
+                 ORDER BY id",
             )
             .bind(key.scope())
             .bind(key.operation())
             .bind(key.key())
-            .bind(resolution.state().as_str())
-            .bind(result)
-            .bind(reason)
-            .bind(millis(retention)),
+            .bind(i64::from(limit)),
         )
-        .await
+        .await?
+        .iter()
+        .map(|row| {
+            history::event(
+                row.try_get("at")?,
+                row.try_get("kind")?,
+                row.try_get("detail")?,
+                row.try_get("actor")?,
+            )
+        })
+        .collect()
     }
 
     async fn stats(&self) -> Result<super::KeyStats, StoreError> {

@@ -1,5 +1,6 @@
 //! SQLite store (feature `sqlite`), the embedded default.
 
+use super::history::{self, EventKind, KeyEvent, NewEvent, OperatorNote};
 use super::migration::{self, Bookkeeping, Migration};
 use super::row::{uuid, KeyRow};
 use super::{millis, Insertion, KeyRecord, LeaseToken, PendingRow, Store};
@@ -25,6 +26,11 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         version: 2,
         description: "durable steps: recovery point, request, progress",
         sql: include_str!("../../migrations/sqlite/0002_durable_steps.sql"),
+    },
+    Migration {
+        version: 3,
+        description: "key history: idempotency_key_events",
+        sql: include_str!("../../migrations/sqlite/0003_key_events.sql"),
     },
 ];
 
@@ -618,6 +624,50 @@ macro_rules! purgeable {
     };
 }
 
+impl SqliteStore {
+    /// Runs a conditional update on the writer and, only if it changed the row, appends `event`
+    /// to the key's history, both in one `BEGIN IMMEDIATE` transaction: the history never
+    /// disagrees with the row.
+    async fn logged_change<'q>(
+        &self,
+        key: &IdempotencyKey,
+        event: &NewEvent<'_>,
+        update: sqlx::query::Query<'q, Sqlite, SqliteArguments<'q>>,
+    ) -> Result<bool, StoreError> {
+        let mut tx = self.writer.begin_with("BEGIN IMMEDIATE").await?;
+        if update.execute(&mut *tx).await?.rows_affected() != 1 {
+            tx.rollback().await?;
+            return Ok(false);
+        }
+        append_event(&mut tx, key, event).await?;
+        tx.commit().await?;
+        Ok(true)
+    }
+}
+
+/// Appends `event` to the history of `key` inside `tx`, at SQLite's clock.
+async fn append_event(
+    tx: &mut Transaction<'_, Sqlite>,
+    key: &IdempotencyKey,
+    event: &NewEvent<'_>,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(concat!(
+        "INSERT INTO idempotency_key_events (scope, operation, idem_key, at, kind, detail, actor)
+         VALUES (?1, ?2, ?3, ",
+        now_ms!(),
+        ", ?4, ?5, ?6)"
+    ))
+    .bind(key.scope())
+    .bind(key.operation())
+    .bind(key.key())
+    .bind(event.kind.as_str())
+    .bind(event.detail.as_deref())
+    .bind(event.actor)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
 impl super::Maintenance for SqliteStore {
     async fn expired_leases(&self, limit: u32) -> Result<Vec<KeyRecord>, StoreError> {
         sqlx::query(EXPIRED_LEASES)
@@ -706,31 +756,88 @@ impl super::Maintenance for SqliteStore {
         &self,
         key: &IdempotencyKey,
         resolution: &super::Resolution,
-        reason: &str,
+        note: &OperatorNote,
         retention: Duration,
     ) -> Result<bool, StoreError> {
         let result = match resolution {
             super::Resolution::Completed(bytes) => Some(bytes.as_slice()),
             super::Resolution::Failed => None,
         };
-        let done = sqlx::query(concat!(
+        let state = resolution.state().as_str();
+        let update = sqlx::query(concat!(
             "UPDATE idempotency_keys SET state = ?4, result = ?5, reason = ?6, updated_at = ",
             now_ms!(),
             ", expires_at = ",
             now_ms!(),
             " + ?7 WHERE scope = ?1 AND operation = ?2 AND idem_key = ?3
-               AND state = 'needs_review'"
+               AND state = 'needs_review' AND (?8 IS NULL OR updated_at = ?8)"
         ))
         .bind(key.scope())
         .bind(key.operation())
         .bind(key.key())
-        .bind(resolution.state().as_str())
+        .bind(state)
         .bind(result)
-        .bind(reason)
+        .bind(note.reason.as_str())
         .bind(millis(retention))
-        .execute(&self.writer)
-        .await?;
-        Ok(done.rows_affected() == 1)
+        .bind(note.seen_millis());
+        let event = NewEvent {
+            kind: EventKind::Resolved,
+            detail: Some(history::resolved_detail(state, note)),
+            actor: Some(note.actor()),
+        };
+        self.logged_change(key, &event, update).await
+    }
+
+    async fn hand_back(
+        &self,
+        key: &IdempotencyKey,
+        note: &OperatorNote,
+    ) -> Result<bool, StoreError> {
+        let update = sqlx::query(concat!(
+            "UPDATE idempotency_keys SET state = 'pending', lease_until = ",
+            now_ms!(),
+            ", recovery_attempts = 0, reason = ?4, updated_at = ",
+            now_ms!(),
+            " WHERE scope = ?1 AND operation = ?2 AND idem_key = ?3
+               AND state = 'needs_review' AND (?5 IS NULL OR updated_at = ?5)"
+        ))
+        .bind(key.scope())
+        .bind(key.operation())
+        .bind(key.key())
+        .bind(note.reason.as_str())
+        .bind(note.seen_millis());
+        let event = NewEvent {
+            kind: EventKind::HandedBack,
+            detail: Some(history::handed_back_detail(note)),
+            actor: Some(note.actor()),
+        };
+        self.logged_change(key, &event, update).await
+    }
+
+    async fn history(&self, key: &IdempotencyKey, limit: u32) -> Result<Vec<KeyEvent>, StoreError> {
+        sqlx::query(
+            "SELECT at, kind, detail, actor FROM (
+                SELECT id, at, kind, detail, actor FROM idempotency_key_events
+                 WHERE scope = ?1 AND operation = ?2 AND idem_key = ?3
+                 ORDER BY id DESC LIMIT ?4)
+             ORDER BY id",
+        )
+        .bind(key.scope())
+        .bind(key.operation())
+        .bind(key.key())
+        .bind(i64::from(limit))
+        .fetch_all(&self.pool)
+        .await?
+        .iter()
+        .map(|row| {
+            history::event(
+                time(row, "at")?,
+                row.try_get("kind")?,
+                row.try_get("detail")?,
+                row.try_get("actor")?,
+            )
+        })
+        .collect()
     }
 
     async fn stats(&self) -> Result<super::KeyStats, StoreError> {

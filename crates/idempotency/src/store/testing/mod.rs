@@ -10,7 +10,7 @@
 //! | `journal` | [`Journal`](crate::store::Journal) | the statements of durable steps and recovery, fenced by the lease token |
 //! | `reserve_in_transaction` | [`ReserveInTransaction`](crate::store::ReserveInTransaction) | the single-transaction mode |
 //! | `completion_signal` | [`CompletionSignal`](crate::store::CompletionSignal) | waiting for a pending key to settle |
-//! | `maintenance` | [`Maintenance`](crate::store::Maintenance) | the operator's listings: keyset paging visits every row once |
+//! | `maintenance` | [`Maintenance`](crate::store::Maintenance) | operator resolution and hand-back of parked keys, fenced on the row the operator saw, the key's history read back in order, and keyset paging of listings visiting every row once |
 //!
 //! A scenario gets a fresh, migrated store from the function the macro is given (an `async fn`
 //! returning `Option<S>`; `None` skips the test, e.g. when no database server is configured),
@@ -548,6 +548,17 @@ macro_rules! __conformance_suite {
             external_work_reserves_on_its_own_commit,
         );
     };
+    (maintenance, $open:expr, $profile:expr) => {
+        $crate::__conformance_tests!(
+            maintenance,
+            $open,
+            $profile,
+            a_resolution_on_a_stale_page_is_refused,
+            a_hand_back_returns_the_key_to_the_resumer,
+            the_history_reads_back_in_order,
+            pages_after_a_cursor_visit_every_row_once,
+        );
+    };
     (completion_signal, $open:expr, $profile:expr) => {
         $crate::__conformance_tests!(
             completion_signal,
@@ -557,14 +568,6 @@ macro_rules! __conformance_suite {
             a_waiter_times_out_while_the_holder_works,
             a_release_settles_the_wait,
             another_requests_completion_settles_the_wait,
-        );
-    };
-    (maintenance, $open:expr, $profile:expr) => {
-        $crate::__conformance_tests!(
-            maintenance,
-            $open,
-            $profile,
-            pages_after_a_cursor_visit_every_row_once,
         );
     };
 }
