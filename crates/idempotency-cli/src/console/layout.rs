@@ -86,7 +86,7 @@ pub fn sign_in(status: StatusCode, problem: Option<&str>) -> Response {
         }
         form id="sign-in" method="post" action="/sign-in" {
             label for="password" { "Password" }
-            input type="password" name="password" id="password" autocomplete="current-password" required;
+            input type="password" name="password" id="password" autocomplete="current-password";
             " "
             button id="sign-in-submit" type="submit" { "Sign in" }
         }

@@ -355,7 +355,7 @@ pub async fn key<S: Maintenance>(
         @if let Some(flash) = flash(&query.done) {
             p id="flash" { (flash) }
         }
-        (row(&record))
+        (row(&record, fields))
         h3 { "Stored request" }
         @match &record.request {
             Some(bytes) => (pre("key-request", &redact::shown(bytes, fields))),
@@ -409,7 +409,8 @@ fn flash(done: &str) -> Option<&'static str> {
     }
 }
 
-fn row(record: &KeyRecord) -> Markup {
+/// The row's fields (the stored result masked and bounded like the request).
+fn row(record: &KeyRecord, fields: &[String]) -> Markup {
     html! {
         dl {
             dt { "Scope" } dd id="key-scope" { (record.key.scope()) }
@@ -426,7 +427,7 @@ fn row(record: &KeyRecord) -> Markup {
             dt { "Kept until" } dd id="key-expires" { (time(record.expires_at)) }
             dt { "Fingerprint" } dd id="key-fingerprint" { code { (record.fingerprint.to_hex()) } }
             dt { "Result" } dd id="key-result" {
-                @match &record.result { Some(bytes) => code { (String::from_utf8_lossy(&bytes[..bytes.len().min(redact::SHOWN_BYTES)])) }, None => (none()) }
+                @match &record.result { Some(bytes) => pre { (redact::shown(bytes, fields)) }, None => (none()) }
             }
         }
     }
