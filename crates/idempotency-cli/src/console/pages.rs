@@ -47,8 +47,8 @@ fn keys_table(records: &[KeyRecord]) -> Markup {
                         td { (record.key.operation()) }
                         td { (state_cell(record.state)) }
                         td { (record.effects.as_str()) }
-                        td { (time(record.created_at)) }
-                        td { (time(record.updated_at)) }
+                        td class="time" { (time(record.created_at)) }
+                        td class="time" { (time(record.updated_at)) }
                         td { @match &record.reason { Some(reason) => (reason), None => (none()) } }
                     }
                 }
@@ -416,7 +416,7 @@ fn row(record: &KeyRecord, fields: &[String]) -> Markup {
             dt { "Scope" } dd id="key-scope" { (record.key.scope()) }
             dt { "Operation" } dd id="key-operation" { (record.key.operation()) }
             dt { "Key" } dd id="key-key" { (record.key.key()) }
-            dt { "State" } dd id="key-state" { (record.state.as_str()) }
+            dt { "State" } dd id="key-state" class={ "state-" (record.state.as_str()) } { (record.state.as_str()) }
             dt { "Effects" } dd id="key-effects" { (record.effects.as_str()) }
             dt { "Reason" } dd id="key-reason" { @match &record.reason { Some(r) => (r), None => (none()) } }
             dt { "Recovery point" } dd id="key-recovery-point" { @match &record.recovery_point { Some(p) => (p), None => (none()) } }
