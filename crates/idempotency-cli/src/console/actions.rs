@@ -75,8 +75,8 @@ pub fn forms(record: &KeyRecord, csrf: &str) -> Markup {
 /// The operator, reason and evidence inputs (ids prefixed by `prefix` but for the resolve form).
 fn note_fields(prefix: &str) -> Markup {
     html! {
-        label { "Operator" input name="operator" id={ (prefix) "operator" } required; }
-        label { "Reason" input name="reason" id={ (prefix) "reason" } required size="50"; }
+        label { "Operator" input name="operator" id={ (prefix) "operator" }; }
+        label { "Reason" input name="reason" id={ (prefix) "reason" } size="50"; }
         label { "Evidence (optional)" input name="evidence" id={ (prefix) "evidence" } size="50"; }
     }
 }

@@ -31,6 +31,8 @@ textarea { width: 36rem; max-width: 100%; height: 6rem; font-family: monospace; 
 #flash { background: #e6f4e6; border: 1px solid #7bb87b; padding: 0.5rem; }
 #problem { background: #fbeaea; border: 1px solid #d07b7b; padding: 0.5rem; }
 .muted { color: #666; }
+a.key-link, td.time, span.at { white-space: nowrap; }
+form.action h4 { margin: 0; }
 ol#history li { margin-bottom: 0.4rem; }
 .actions { display: flex; flex-wrap: wrap; gap: 1rem; }
 "#;
@@ -86,7 +88,7 @@ pub fn sign_in(status: StatusCode, problem: Option<&str>) -> Response {
         }
         form id="sign-in" method="post" action="/sign-in" {
             label for="password" { "Password" }
-            input type="password" name="password" id="password" autocomplete="current-password" required;
+            input type="password" name="password" id="password" autocomplete="current-password";
             " "
             button id="sign-in-submit" type="submit" { "Sign in" }
         }

@@ -47,8 +47,8 @@ fn keys_table(records: &[KeyRecord]) -> Markup {
                         td { (record.key.operation()) }
                         td { (state_cell(record.state)) }
                         td { (record.effects.as_str()) }
-                        td { (time(record.created_at)) }
-                        td { (time(record.updated_at)) }
+                        td class="time" { (time(record.created_at)) }
+                        td class="time" { (time(record.updated_at)) }
                         td { @match &record.reason { Some(reason) => (reason), None => (none()) } }
                     }
                 }
@@ -355,7 +355,7 @@ pub async fn key<S: Maintenance>(
         @if let Some(flash) = flash(&query.done) {
             p id="flash" { (flash) }
         }
-        (row(&record))
+        (row(&record, fields))
         h3 { "Stored request" }
         @match &record.request {
             Some(bytes) => (pre("key-request", &redact::shown(bytes, fields))),
@@ -409,13 +409,14 @@ fn flash(done: &str) -> Option<&'static str> {
     }
 }
 
-fn row(record: &KeyRecord) -> Markup {
+/// The row's fields (the stored result masked and bounded like the request).
+fn row(record: &KeyRecord, fields: &[String]) -> Markup {
     html! {
         dl {
             dt { "Scope" } dd id="key-scope" { (record.key.scope()) }
             dt { "Operation" } dd id="key-operation" { (record.key.operation()) }
             dt { "Key" } dd id="key-key" { (record.key.key()) }
-            dt { "State" } dd id="key-state" { (record.state.as_str()) }
+            dt { "State" } dd id="key-state" class={ "state-" (record.state.as_str()) } { (record.state.as_str()) }
             dt { "Effects" } dd id="key-effects" { (record.effects.as_str()) }
             dt { "Reason" } dd id="key-reason" { @match &record.reason { Some(r) => (r), None => (none()) } }
             dt { "Recovery point" } dd id="key-recovery-point" { @match &record.recovery_point { Some(p) => (p), None => (none()) } }
@@ -426,7 +427,7 @@ fn row(record: &KeyRecord) -> Markup {
             dt { "Kept until" } dd id="key-expires" { (time(record.expires_at)) }
             dt { "Fingerprint" } dd id="key-fingerprint" { code { (record.fingerprint.to_hex()) } }
             dt { "Result" } dd id="key-result" {
-                @match &record.result { Some(bytes) => code { (String::from_utf8_lossy(&bytes[..bytes.len().min(redact::SHOWN_BYTES)])) }, None => (none()) }
+                @match &record.result { Some(bytes) => pre { (redact::shown(bytes, fields)) }, None => (none()) }
             }
         }
     }
