@@ -433,6 +433,25 @@ async fn posts_without_the_csrf_token_are_refused(consoles: Consoles) {
     let answer = browser.post("/key/resolve", &pairs(&form)).await;
     assert_eq!(answer.status(), StatusCode::SEE_OTHER);
     assert_eq!(consoles.find(&parked).await.state, KeyState::Failed);
+    // Signing out needs the token too, and ends the session.
+    assert_eq!(
+        browser.post("/sign-out", &[]).await.status(),
+        StatusCode::FORBIDDEN
+    );
+    let token = value(&browser.get("/").await.1, "csrf");
+    assert_eq!(
+        browser
+            .post("/sign-out", &[("csrf", &token)])
+            .await
+            .status(),
+        StatusCode::SEE_OTHER
+    );
+    assert_eq!(browser.get("/").await.0, StatusCode::UNAUTHORIZED);
+    assert_eq!(
+        other.get("/").await.0,
+        StatusCode::OK,
+        "other sessions go on"
+    );
 }
 
 /// Without --allow-actions the key page has no action forms, and action posts (with a valid

@@ -462,12 +462,14 @@ impl Maintenance for MinimalStore {
     }
 
     async fn list(&self, filter: &KeyFilter) -> Result<Vec<KeyRecord>, StoreError> {
+        let after = filter.after();
         let older_than = filter
             .older_than()
             .map(|age| now().saturating_sub(i64::try_from(age.as_millis()).unwrap_or(i64::MAX)));
         let rows = sqlx::query(
             "SELECT * FROM keys WHERE (?1 IS NULL OR state = ?1) AND (?2 IS NULL OR scope = ?2)
                AND (?3 IS NULL OR operation = ?3) AND (?4 IS NULL OR created_at <= ?4)
+               AND (?6 IS NULL OR (created_at, scope, operation, idem_key) > (?6, ?7, ?8, ?9))
              ORDER BY created_at, scope, operation, idem_key LIMIT ?5",
         )
         .bind(filter.state().map(KeyState::as_str))
@@ -475,6 +477,11 @@ impl Maintenance for MinimalStore {
         .bind(filter.operation())
         .bind(older_than)
         .bind(i64::from(filter.limit()))
+        // Keyset paging: the rows after the last one of the page before.
+        .bind(after.map(|c| c.created_at().timestamp_millis()))
+        .bind(after.map(|c| c.key().scope()))
+        .bind(after.map(|c| c.key().operation()))
+        .bind(after.map(|c| c.key().key()))
         .fetch_all(&self.reader)
         .await?;
         rows.iter().map(record).collect()

@@ -464,3 +464,58 @@ fn provider_keys(record: &KeyRecord) -> Markup {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::ListQuery;
+    use chrono::{TimeZone, Utc};
+    use idempotency::{
+        store::{KeyRecord, KeyState, LeaseToken},
+        Effects, Fingerprint, IdempotencyKey,
+    };
+
+    #[test]
+    fn filters_and_the_cursor_round_trip() {
+        let query = ListQuery {
+            state: "needs_review".into(),
+            older_than: "5m".into(),
+            ..ListQuery::default()
+        };
+        let filter = query.filter().unwrap();
+        assert_eq!(filter.state(), Some(KeyState::NeedsReview));
+        assert_eq!(filter.older_than().unwrap().as_secs(), 300);
+        assert!(ListQuery {
+            state: "done".into(),
+            ..ListQuery::default()
+        }
+        .filter()
+        .is_err());
+        assert!(ListQuery {
+            older_than: "soon".into(),
+            ..ListQuery::default()
+        }
+        .filter()
+        .is_err());
+
+        let key = IdempotencyKey::new("a&b", "op=1", "k \"2\"").unwrap();
+        let mut last = KeyRecord::new(
+            key.clone(),
+            KeyState::NeedsReview,
+            Effects::External,
+            Fingerprint::of_bytes(b"r"),
+            LeaseToken::new(),
+        );
+        last.created_at = Utc.timestamp_micros(1_765_000_000_123_456).unwrap();
+        let href = query.next_href(&last);
+        let next: ListQuery =
+            serde_urlencoded::from_str(href.strip_prefix("/keys?").unwrap()).unwrap();
+        assert_eq!(next.state, "needs_review");
+        let cursor = next.cursor().unwrap().unwrap();
+        assert_eq!((cursor.created_at(), cursor.key()), (last.created_at, &key));
+        let forged = ListQuery {
+            after: "[1,2]".into(),
+            ..ListQuery::default()
+        };
+        assert!(forged.cursor().is_err());
+    }
+}

@@ -271,7 +271,12 @@ pub async fn pages_after_a_cursor_visit_every_row_once<S: Maintenance>(
     for size in [1, 2, 3, 7] {
         let mut seen = Vec::new();
         let mut filter = KeyFilter::default().with_scope(&scope).with_limit(size);
-        loop {
+        for pages in 0.. {
+            // A store that ignores the cursor would page forever.
+            assert!(
+                pages <= keys.len(),
+                "{name}: more pages than rows (the cursor ignored?)"
+            );
             let page = store.list(&filter).await.expect("list a page");
             assert!(page.len() <= size as usize, "{name}: at most the limit");
             let Some(last) = page.last() else { break };
