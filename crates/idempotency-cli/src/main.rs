@@ -5,6 +5,8 @@
 //! idem keys list --state needs-review --older-than 5m
 //! idem keys show user-42 charge 8e03978e --json
 //! idem keys resolve user-42 charge 8e03978e --failed --reason "no charge at the provider"
+//! idem keys history user-42 charge 8e03978e
+//! idem keys hand-back user-42 charge 8e03978e --reason "provider was down; ask again"
 //! idem recover --interval 30s --max-attempts 5
 //! idem purge --dry-run
 //! idem stats --json
@@ -83,6 +85,32 @@ enum KeysCommand {
     },
     /// Settle a key parked as needs_review: it completed (with its result) or it failed.
     Resolve(ResolveArgs),
+    /// What happened to a key, oldest first: reserved, steps, outside calls, claims, parking,
+    /// resolution.
+    History {
+        #[command(flatten)]
+        key: KeyArgs,
+        /// At most this many events (the newest).
+        #[arg(long, default_value_t = 100)]
+        limit: u32,
+        #[command(flatten)]
+        json: JsonFlag,
+    },
+    /// Hand a key parked as needs_review back to the resumer, which asks the provider again.
+    HandBack(HandBackArgs),
+}
+
+#[derive(Debug, Args)]
+struct HandBackArgs {
+    #[command(flatten)]
+    key: KeyArgs,
+    /// Why (kept on the row and in the key's history).
+    #[arg(long, required = true)]
+    reason: String,
+    #[command(flatten)]
+    operator: OperatorArgs,
+    #[command(flatten)]
+    json: JsonFlag,
 }
 
 #[derive(Debug, Args)]
@@ -318,6 +346,15 @@ async fn run(cli: Cli) -> Result<()> {
     if let Command::Console(args) = &cli.command {
         args.secret().map_err(|e| usage(&format!("{e:#}")))?;
     }
+    if let Command::Keys(KeysCommand::HandBack(args)) = &cli.command {
+        args.key.key()?;
+        if args.reason.trim().is_empty() {
+            return Err(usage("--reason must not be empty"));
+        }
+        if args.operator.operator.as_deref().map(str::trim) == Some("") {
+            return Err(usage("--operator must not be empty"));
+        }
+    }
     let create = matches!(cli.command, Command::Migrate);
     let store = db::connect(&url, cli.connect_timeout, create).await?;
     dispatch(&store, cli.command).await
@@ -346,6 +383,28 @@ async fn execute<S: Maintenance + Journal>(store: &S, command: Command) -> Resul
             }
         }
         Command::Keys(KeysCommand::Resolve(args)) => resolve(store, args).await?,
+        Command::Keys(KeysCommand::History { key, limit, json }) => {
+            let key = key.key()?;
+            let events = store.history(&key, limit).await?;
+            if events.is_empty() && store.find(&key).await?.is_none() {
+                bail!("no key {key} and no history for it");
+            }
+            if json.json {
+                println!("{:#}", render::history_json(&events));
+            } else {
+                println!("{}", render::history_table(&events));
+            }
+        }
+        Command::Keys(KeysCommand::HandBack(args)) => {
+            let key = args.key.key()?;
+            let note = args.operator.note(&args.reason);
+            let record = idempotency::maintenance::hand_back(store, &key, &note).await?;
+            if args.json.json {
+                println!("{:#}", render::record_json(&record));
+            } else {
+                println!("handed {key} back to the resumer: {}", args.reason.trim());
+            }
+        }
         Command::Recover(args) => recover(store, args).await?,
         Command::Purge(args) => purge(store, args).await?,
         Command::Console(args) => console::serve(store.clone(), args, shutdown()).await?,

@@ -440,7 +440,7 @@ impl<S: Maintenance + Journal, R: Resolver> Recovery<S, R> {
         let Some(resolver) = &self.resolver else {
             let done = self
                 .store
-                .park(
+                .park_recorded(
                     key,
                     token,
                     "abandoned external operation; no resolver configured",
@@ -463,7 +463,7 @@ impl<S: Maintenance + Journal, R: Resolver> Recovery<S, R> {
                 (Recovered::Completed, done)
             }
             ProviderAnswer::Failed => {
-                let done = self.store.release(key, token).await?;
+                let done = self.store.release_recorded(key, token).await?;
                 (Recovered::Failed, done)
             }
             ProviderAnswer::Unknown => {
@@ -472,7 +472,7 @@ impl<S: Maintenance + Journal, R: Resolver> Recovery<S, R> {
                     let reason = format!(
                         "abandoned external operation; the provider's answer was unknown {attempts} times"
                     );
-                    let done = self.store.park(key, token, &reason).await?;
+                    let done = self.store.park_recorded(key, token, &reason).await?;
                     (Recovered::Parked, done)
                 } else {
                     let done = self

@@ -243,6 +243,68 @@ pub(crate) struct NewEvent<'a> {
     pub(crate) actor: Option<&'a str>,
 }
 
+/// How long the history of a key that has no row any more (a released key never reserved
+/// again) is kept after its newest event: the purge deletes such orphaned events once their
+/// key's newest event is older than this (7 days).
+pub(crate) const ORPHAN_RETENTION: std::time::Duration = std::time::Duration::from_secs(7 * 86_400);
+
+/// `SELECT id` of at most `$limit` orphaned events: no key row, and no event of the same key
+/// newer than `$cutoff` (an SQL expression), for [`ORPHAN_RETENTION`].
+#[cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql"))]
+macro_rules! orphaned_events {
+    ($cutoff:expr, $limit:expr) => {
+        concat!(
+            "SELECT e.id FROM idempotency_key_events e
+              WHERE NOT EXISTS (SELECT 1 FROM idempotency_keys k
+                                 WHERE k.scope = e.scope AND k.operation = e.operation
+                                   AND k.idem_key = e.idem_key)
+                AND NOT EXISTS (SELECT 1 FROM idempotency_key_events n
+                                 WHERE n.scope = e.scope AND n.operation = e.operation
+                                   AND n.idem_key = e.idem_key AND n.at > ",
+            $cutoff,
+            ")
+              LIMIT ",
+            $limit
+        )
+    };
+}
+#[cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql"))]
+pub(crate) use orphaned_events;
+
+/// Who this process is in a key's history unless a store is given a worker name: `host:pid`,
+/// the host's name read from `/proc/sys/kernel/hostname` or `$HOSTNAME` (computed once).
+pub(crate) fn default_actor() -> std::sync::Arc<str> {
+    static ACTOR: std::sync::OnceLock<std::sync::Arc<str>> = std::sync::OnceLock::new();
+    ACTOR
+        .get_or_init(|| {
+            let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+                .ok()
+                .map(|name| name.trim().to_owned())
+                .filter(|name| !name.is_empty())
+                .or_else(|| std::env::var("HOSTNAME").ok())
+                .unwrap_or_else(|| "localhost".to_owned());
+            format!("{host}:{}", std::process::id()).into()
+        })
+        .clone()
+}
+
+/// A worker name bounded for the `actor` column.
+pub(crate) fn worker_actor(name: &str) -> std::sync::Arc<str> {
+    bounded(name.trim(), ACTOR_MAX_BYTES).into()
+}
+
+/// The detail of an outside call's event: the provider key, then a bounded excerpt of the answer
+/// (at most [`EXCERPT_MAX_BYTES`], cut on a character boundary).
+pub(crate) fn call_detail(provider_key: &str, answer: Option<&str>) -> String {
+    match answer {
+        Some(answer) => format!("{provider_key} {}", bounded(answer, EXCERPT_MAX_BYTES)),
+        None => provider_key.to_owned(),
+    }
+}
+
+/// At most this many bytes of an outside call's answer are kept in its event.
+pub(crate) const EXCERPT_MAX_BYTES: usize = 512;
+
 /// The detail of a `resolved` event: the resolution, then the note's reason and evidence.
 pub(crate) fn resolved_detail(state: &str, note: &OperatorNote) -> String {
     let detail = format!("{state}: {}", note.detail());
