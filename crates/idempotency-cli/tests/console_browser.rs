@@ -513,7 +513,8 @@ async fn screenshot(client: &Client, name: &str) {
 fn screenshot_dir() -> PathBuf {
     match std::env::var_os("CONSOLE_SCREENSHOTS") {
         Some(dir) if !dir.is_empty() => {
-            let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+            let crate_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+            let root = crate_dir.ancestors().nth(2).expect("the workspace root");
             root.join(dir)
         }
         _ => std::env::temp_dir().join(format!("console-screenshots-{}", std::process::id())),
