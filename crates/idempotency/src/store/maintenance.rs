@@ -259,12 +259,16 @@ impl KeyStats {
 ///   whose condition is re-checked by the database at write time, and it reports through its
 ///   return value whether it acted; losing a race is `Ok(false)` / `Ok(0)`, never an error.
 ///   Where the change writes an event into the key's history ([`resolve`](Self::resolve),
-///   [`hand_back`](Self::hand_back)), the row and its event are written together: in the same
-///   statement (a data-modifying CTE on PostgreSQL) or in one short transaction of their own
-///   (the conditional update, then the event only if the update acted), never one without the
-///   other;
+///   [`hand_back`](Self::hand_back), [`complete_recovered`](Self::complete_recovered), and
+///   [`Store::claim_for_recovery`] of an external or durable key), the row and its event are
+///   written together: in the same statement (a data-modifying CTE on PostgreSQL) or in one short
+///   transaction of their own that commits only if the conditional change acted, never one
+///   without the other;
 /// * a purge never deletes `pending` or `needs_review` rows, and deletes at most `batch` rows per
-///   statement, skipping rows another session holds locked where the database allows it.
+///   call, skipping rows another session holds locked where the database allows it; the
+///   histories of the rows it deletes go with them (same statement or transaction), and the
+///   last batch of a purge (fewer than `batch` rows) also deletes the histories without a key
+///   row whose newest event is older than 7 days.
 ///
 /// ```no_run
 /// # #[cfg(feature = "postgres")]
@@ -320,9 +324,11 @@ pub trait Maintenance: Store {
     ) -> impl Future<Output = Result<bool, StoreError>> + Send;
 
     /// Deletes at most `batch` rows with `state IN ('completed', 'failed') AND expires_at <=
-    /// now()`, in no promised order, in one statement (skipping rows locked by other sessions where
-    /// the database can), and returns how many it deleted. Never touches `pending` or
-    /// `needs_review` rows. Call it until it returns 0 to purge everything.
+    /// now()`, in no promised order, in one statement or short transaction (skipping rows locked
+    /// by other sessions where the database can), with their histories, and returns how many
+    /// rows it deleted. Never touches `pending` or `needs_review` rows. A batch of fewer than
+    /// `batch` rows also deletes orphaned histories (no key row, newest event older than 7
+    /// days). Call it until it returns 0 to purge everything.
     fn purge_batch(&self, batch: u32) -> impl Future<Output = Result<u64, StoreError>> + Send;
 
     /// How many rows a purge would delete now (same condition as [`purge_batch`](Self::purge_batch)).

@@ -423,7 +423,13 @@ pub enum ReservedIn {
 ///
 /// Implementations must make [`insert_pending`](Store::insert_pending) a single INSERT against the
 /// unique `(scope, operation, key)` constraint, committed on its own, whatever the isolation level
-/// of the server; and every update conditional on the lease token. See
+/// of the server; and every update conditional on the lease token. A key that records a history
+/// ([`PendingRow::records_history`]: external or durable work) writes its events with the change
+/// they record: a reservation's `reserved` event, a claim's `claimed` event (where the key is
+/// external or its history has begun), and the events of [`release_recorded`](Store::release_recorded),
+/// [`park_recorded`](Store::park_recorded) and [`append_event`](Store::append_event), each in the
+/// same statement or in one short transaction that commits only if the change acted. A plain
+/// local key's statements stay single autocommit statements, with no event. See
 /// `PgStore`, `SqliteStore` and `MySqlStore`,
 /// and the guide `docs/implementing-a-store.md` in the repository (the rules every method
 /// follows, and the conformance suite that proves a new store: `idempotency::store::testing`, feature
