@@ -5,14 +5,18 @@
 //! idem keys list --state needs-review --older-than 5m
 //! idem keys show user-42 charge 8e03978e --json
 //! idem keys resolve user-42 charge 8e03978e --failed --reason "no charge at the provider"
+//! idem keys history user-42 charge 8e03978e
+//! idem keys hand-back user-42 charge 8e03978e --reason "provider was down; ask again"
 //! idem recover --interval 30s --max-attempts 5
 //! idem purge --dry-run
 //! idem stats --json
+//! IDEM_CONSOLE_PASSWORD=… idem console --allow-actions
 //! ```
 //!
 //! Exit codes: 0 success, 1 a runtime failure (database unreachable, key not found, not parked),
 //! 2 bad input (from clap, or an unreadable or non-JSON result file).
 
+mod console;
 mod db;
 mod render;
 
@@ -20,7 +24,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, CommandFactory, Parser, Subcommand, ValueEnum};
 use db::{AnyStore, DatabaseUrl};
 use idempotency::{
-    maintenance::{KeyFilter, Purge, Recovery, RecoveryReport, Resolution},
+    maintenance::{KeyFilter, OperatorNote, Purge, Recovery, RecoveryReport, Resolution},
     store::{Journal, KeyState, Maintenance},
     IdempotencyKey,
 };
@@ -63,6 +67,9 @@ enum Command {
     Purge(PurgeArgs),
     /// Counts by state and operation, oldest pending key, expired leases, purgeable rows.
     Stats(JsonFlag),
+    /// Serve the review console: a web page to inspect keys and settle those needing review.
+    /// The password comes from IDEM_CONSOLE_PASSWORD or --password-file.
+    Console(console::ConsoleArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -78,6 +85,32 @@ enum KeysCommand {
     },
     /// Settle a key parked as needs_review: it completed (with its result) or it failed.
     Resolve(ResolveArgs),
+    /// What happened to a key, oldest first: reserved, steps, outside calls, claims, parking,
+    /// resolution.
+    History {
+        #[command(flatten)]
+        key: KeyArgs,
+        /// At most this many events (the newest).
+        #[arg(long, default_value_t = 100)]
+        limit: u32,
+        #[command(flatten)]
+        json: JsonFlag,
+    },
+    /// Hand a key parked as needs_review back to the resumer, which asks the provider again.
+    HandBack(HandBackArgs),
+}
+
+#[derive(Debug, Args)]
+struct HandBackArgs {
+    #[command(flatten)]
+    key: KeyArgs,
+    /// Why (kept on the row and in the key's history).
+    #[arg(long, required = true)]
+    reason: String,
+    #[command(flatten)]
+    operator: OperatorArgs,
+    #[command(flatten)]
+    json: JsonFlag,
 }
 
 #[derive(Debug, Args)]
@@ -156,14 +189,47 @@ struct ResolveArgs {
     /// It did not happen: the key may be reserved again.
     #[arg(long)]
     failed: bool,
-    /// Why (kept on the row).
+    /// Why (kept on the row and in the key's history).
     #[arg(long, required = true)]
     reason: String,
+    #[command(flatten)]
+    operator: OperatorArgs,
     /// How long to keep the resolved key.
     #[arg(long, default_value = "24h", value_parser = humantime::parse_duration)]
     retention: Duration,
     #[command(flatten)]
     json: JsonFlag,
+}
+
+/// Who takes an operator action, and on what evidence (recorded in the key's history).
+#[derive(Debug, Args)]
+struct OperatorArgs {
+    /// Who acts (recorded in the key's history); default: $USER, else "operator".
+    #[arg(long)]
+    operator: Option<String>,
+    /// What the decision rests on, e.g. a provider dashboard link (recorded in the history).
+    #[arg(long)]
+    evidence: Option<String>,
+}
+
+impl OperatorArgs {
+    /// The note of an action taken for `reason`.
+    fn note(&self, reason: &str) -> OperatorNote {
+        let operator = self
+            .operator
+            .clone()
+            .or_else(|| {
+                std::env::var("USER")
+                    .ok()
+                    .filter(|user| !user.trim().is_empty())
+            })
+            .unwrap_or_else(|| "operator".to_owned());
+        let note = OperatorNote::new(operator, reason);
+        match &self.evidence {
+            Some(evidence) => note.with_evidence(evidence.clone()),
+            None => note,
+        }
+    }
 }
 
 #[derive(Debug, Args)]
@@ -273,6 +339,21 @@ async fn run(cli: Cli) -> Result<()> {
         if args.reason.trim().is_empty() {
             return Err(usage("--reason must not be empty"));
         }
+        if args.operator.operator.as_deref().map(str::trim) == Some("") {
+            return Err(usage("--operator must not be empty"));
+        }
+    }
+    if let Command::Console(args) = &cli.command {
+        args.secret().map_err(|e| usage(&format!("{e:#}")))?;
+    }
+    if let Command::Keys(KeysCommand::HandBack(args)) = &cli.command {
+        args.key.key()?;
+        if args.reason.trim().is_empty() {
+            return Err(usage("--reason must not be empty"));
+        }
+        if args.operator.operator.as_deref().map(str::trim) == Some("") {
+            return Err(usage("--operator must not be empty"));
+        }
     }
     let create = matches!(cli.command, Command::Migrate);
     let store = db::connect(&url, cli.connect_timeout, create).await?;
@@ -302,8 +383,31 @@ async fn execute<S: Maintenance + Journal>(store: &S, command: Command) -> Resul
             }
         }
         Command::Keys(KeysCommand::Resolve(args)) => resolve(store, args).await?,
+        Command::Keys(KeysCommand::History { key, limit, json }) => {
+            let key = key.key()?;
+            let events = store.history(&key, limit).await?;
+            if events.is_empty() && store.find(&key).await?.is_none() {
+                bail!("no key {key} and no history for it");
+            }
+            if json.json {
+                println!("{:#}", render::history_json(&events));
+            } else {
+                println!("{}", render::history_table(&events));
+            }
+        }
+        Command::Keys(KeysCommand::HandBack(args)) => {
+            let key = args.key.key()?;
+            let note = args.operator.note(&args.reason);
+            let record = idempotency::maintenance::hand_back(store, &key, &note).await?;
+            if args.json.json {
+                println!("{:#}", render::record_json(&record));
+            } else {
+                println!("handed {key} back to the resumer: {}", args.reason.trim());
+            }
+        }
         Command::Recover(args) => recover(store, args).await?,
         Command::Purge(args) => purge(store, args).await?,
+        Command::Console(args) => console::serve(store.clone(), args, shutdown()).await?,
         Command::Stats(json) => {
             let stats = store.stats().await?;
             if json.json {
@@ -365,9 +469,9 @@ async fn resolve<S: Maintenance>(store: &S, args: ResolveArgs) -> Result<()> {
         Some(path) => Resolution::Completed(read_result(path)?),
         None => Resolution::Failed,
     };
+    let note = args.operator.note(&args.reason);
     let record =
-        idempotency::maintenance::resolve(store, &key, &resolution, &args.reason, args.retention)
-            .await?;
+        idempotency::maintenance::resolve(store, &key, &resolution, &note, args.retention).await?;
     if args.json.json {
         println!("{:#}", render::record_json(&record));
     } else {

@@ -2,7 +2,7 @@
 
 use comfy_table::{presets::UTF8_FULL_CONDENSED, Cell, ContentArrangement, Table};
 use idempotency::{
-    maintenance::{KeyStats, PurgeReport, RecoveryReport},
+    maintenance::{KeyEvent, KeyStats, PurgeReport, RecoveryReport},
     store::KeyRecord,
 };
 use serde_json::{json, Value};
@@ -198,4 +198,35 @@ pub fn purge_json(report: &PurgeReport) -> Value {
         "batches": report.batches,
         "elapsed_ms": report.elapsed.as_millis() as u64,
     })
+}
+
+/// A key's history as JSON, oldest first.
+pub fn history_json(events: &[KeyEvent]) -> Value {
+    Value::Array(
+        events
+            .iter()
+            .map(|event| {
+                json!({
+                    "at": event.at.to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
+                    "kind": event.kind.as_str(),
+                    "actor": event.actor,
+                    "detail": event.detail,
+                })
+            })
+            .collect(),
+    )
+}
+
+/// A key's history as a table (at, kind, actor, detail), oldest first.
+pub fn history_table(events: &[KeyEvent]) -> String {
+    let mut table = table(&["at", "kind", "actor", "detail"]);
+    for event in events {
+        table.add_row(vec![
+            event.at.format("%Y-%m-%d %H:%M:%S%.3f UTC").to_string(),
+            event.kind.as_str().to_owned(),
+            event.actor.clone().unwrap_or_default(),
+            event.detail.clone().unwrap_or_default(),
+        ]);
+    }
+    table.to_string()
 }

@@ -241,6 +241,22 @@ fn bad_input_exits_with_2() {
         (&["recover", "--max-attempts", "0"], "--max-attempts"),
         (&["purge", "--batch", "0"], "--batch"),
         (&["keys", "resolve", "s", "o", "k", "--failed"], "--reason"),
+        (&["keys", "hand-back", "s", "o", "k"], "--reason"),
+        (
+            &[
+                "keys",
+                "resolve",
+                "s",
+                "o",
+                "k",
+                "--failed",
+                "--reason",
+                "x",
+                "--operator",
+                " ",
+            ],
+            "--operator",
+        ),
         (
             &["keys", "resolve", "s", "o", "k", "--reason", "x"],
             "--failed",
@@ -411,9 +427,37 @@ async fn inspect_recover_and_resolve() {
             result.to_str().unwrap(),
             "--reason",
             "provider dashboard shows ch_42",
+            "--operator",
+            "alice-ops",
+            "--evidence",
+            "dashboard ch_42",
         ])
         .success()
         .stdout(predicate::str::contains("completed"));
+        // The history: reserved (by the test process), claimed and parked by the recovery
+        // pass, resolved by the operator, oldest first.
+        let history = db.json(&["keys", "history", "bob", "charge", "ext-1", "--json"]);
+        let kinds: Vec<&str> = history
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e["kind"].as_str().unwrap())
+            .collect();
+        let expected = ["reserved", "claimed", "parked", "resolved"];
+        assert_eq!(kinds, expected, "{name}: {history}");
+        assert_eq!(history[3]["actor"], "alice-ops", "{name}: {history}");
+        let detail = history[3]["detail"].as_str().unwrap();
+        assert!(detail.contains("dashboard ch_42"), "{name}: {detail}");
+        db.idem(&["keys", "history", "bob", "charge", "ext-1"])
+            .success()
+            .stdout(
+                predicate::str::contains("resolved")
+                    .and(predicate::str::contains("alice-ops"))
+                    .and(predicate::str::contains("parked")),
+            );
+        db.idem(&["keys", "history", "bob", "charge", "never"])
+            .code(1)
+            .stderr(predicate::str::contains("no key"));
         let shown = db.json(&["keys", "show", "bob", "charge", "ext-1", "--json"]);
         assert_eq!(shown["state"], "completed", "{name}: {shown}");
         assert_eq!(shown["reason"], "provider dashboard shows ch_42");
@@ -451,6 +495,43 @@ async fn inspect_recover_and_resolve() {
         let shown = db.json(&["keys", "show", "dave", "charge", "ext-2", "--json"]);
         assert_eq!(shown["state"], "failed", "{name}");
         assert_eq!(shown["reason"], "no charge");
+
+        // Hand-back: a parked key goes back to pending with its lease ended.
+        db.abandon("erin", "ext-3", Effects::External).await;
+        db.idem(&["recover", "--once"])
+            .success()
+            .stdout(predicate::str::contains("parked 1"));
+        db.idem(&[
+            "keys",
+            "hand-back",
+            "erin",
+            "charge",
+            "ext-3",
+            "--reason",
+            "ask again",
+            "--operator",
+            "bob-ops",
+        ])
+        .success()
+        .stdout(predicate::str::contains("handed"));
+        let shown = db.json(&["keys", "show", "erin", "charge", "ext-3", "--json"]);
+        assert_eq!(shown["state"], "pending", "{name}: {shown}");
+        assert_eq!(shown["lease_remaining_ms"], 0, "{name}: {shown}");
+        let history = db.json(&["keys", "history", "erin", "charge", "ext-3", "--json"]);
+        let last = history.as_array().unwrap().last().unwrap().clone();
+        assert_eq!(last["kind"], "handed_back", "{name}: {history}");
+        assert_eq!(last["actor"], "bob-ops", "{name}: {history}");
+        db.idem(&[
+            "keys",
+            "hand-back",
+            "erin",
+            "charge",
+            "ext-3",
+            "--reason",
+            "again",
+        ])
+        .code(1)
+        .stderr(predicate::str::contains("not needs_review"));
         eprintln!("{name}: inspect, recover and resolve ok");
     }
 }

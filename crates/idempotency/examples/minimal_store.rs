@@ -22,8 +22,10 @@
 //! Run it: `cargo run -p idempotency --example minimal_store --features testing`.
 
 use idempotency::{
+    maintenance::{KeyEvent, KeyFilter, KeyStats, OperatorNote, Resolution, StateCount},
     store::{
-        CompletionSignal, Insertion, Journal, KeyRecord, KeyState, LeaseToken, PendingRow, Progress,
+        CompletionSignal, Insertion, Journal, KeyRecord, KeyState, LeaseToken, Maintenance,
+        PendingRow, Progress,
     },
     Fingerprint, IdempotencyKey, Store, StoreError,
 };
@@ -173,6 +175,16 @@ impl Store for MinimalStore {
                 recovery_attempts INTEGER NOT NULL DEFAULT 0, created_at INTEGER NOT NULL,
                 updated_at INTEGER NOT NULL, recovery_point TEXT, request BLOB, progress BLOB,
                 PRIMARY KEY (scope, operation, idem_key))",
+        )
+        .execute(&self.pool)
+        .await?;
+        // The history of each key (`Maintenance::history`); no foreign key: a released key
+        // keeps its history.
+        sqlx::query(
+            "CREATE TABLE IF NOT EXISTS key_events (
+                id INTEGER PRIMARY KEY, scope TEXT NOT NULL, operation TEXT NOT NULL,
+                idem_key TEXT NOT NULL, at INTEGER NOT NULL, kind TEXT NOT NULL, detail TEXT,
+                actor TEXT)",
         )
         .execute(&self.pool)
         .await?;
@@ -381,6 +393,247 @@ impl Journal for MinimalStore {
 
 /// Waiting for a duplicate's original: the provided polling of `find`.
 impl CompletionSignal for MinimalStore {}
+
+/// The rows a purge may delete.
+const PURGEABLE: &str = "state IN ('completed', 'failed') AND expires_at <= ?";
+
+/// The operator's side: recovery, purge, listing, and the actions on parked keys, each of which
+/// writes its row and its history event in one transaction.
+impl Maintenance for MinimalStore {
+    async fn expired_leases(&self, limit: u32) -> Result<Vec<KeyRecord>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT * FROM keys WHERE state = 'pending' AND lease_until <= ?
+             ORDER BY lease_until LIMIT ?",
+        )
+        .bind(now())
+        .bind(i64::from(limit))
+        .fetch_all(&self.reader)
+        .await?;
+        rows.iter().map(record).collect()
+    }
+
+    async fn complete_recovered(
+        &self,
+        key: &IdempotencyKey,
+        token: LeaseToken,
+        result: &[u8],
+        reason: &str,
+        retention: Duration,
+    ) -> Result<bool, StoreError> {
+        let set = "state = 'completed', result = ?, reason = ?, expires_at = ?, updated_at = ?";
+        let binds = vec![
+            Bind::Bytes(Some(result.to_vec())),
+            Bind::Text(Some(reason.to_owned())),
+            Bind::Int(after(retention)),
+            Bind::Int(now()),
+        ];
+        on_held(&self.pool, set, binds, key, token).await
+    }
+
+    async fn purge_batch(&self, batch: u32) -> Result<u64, StoreError> {
+        // The keys and their histories go together.
+        let mut tx = self.pool.begin().await?;
+        let at = now();
+        let chosen =
+            format!("SELECT scope, operation, idem_key FROM keys WHERE {PURGEABLE} LIMIT {batch}");
+        sqlx::query(&format!(
+            "DELETE FROM key_events WHERE (scope, operation, idem_key) IN ({chosen})"
+        ))
+        .bind(at)
+        .execute(&mut *tx)
+        .await?;
+        let done = sqlx::query(&format!(
+            "DELETE FROM keys WHERE (scope, operation, idem_key) IN ({chosen})"
+        ))
+        .bind(at)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(done.rows_affected())
+    }
+
+    async fn count_purgeable(&self) -> Result<u64, StoreError> {
+        let sql = format!("SELECT COUNT(*) FROM keys WHERE {PURGEABLE}");
+        let count: i64 = sqlx::query_scalar(&sql)
+            .bind(now())
+            .fetch_one(&self.reader)
+            .await?;
+        Ok(u64::try_from(count).unwrap_or(0))
+    }
+
+    async fn list(&self, filter: &KeyFilter) -> Result<Vec<KeyRecord>, StoreError> {
+        let after = filter.after();
+        let older_than = filter
+            .older_than()
+            .map(|age| now().saturating_sub(i64::try_from(age.as_millis()).unwrap_or(i64::MAX)));
+        let rows = sqlx::query(
+            "SELECT * FROM keys WHERE (?1 IS NULL OR state = ?1) AND (?2 IS NULL OR scope = ?2)
+               AND (?3 IS NULL OR operation = ?3) AND (?4 IS NULL OR created_at <= ?4)
+               AND (?6 IS NULL OR (created_at, scope, operation, idem_key) > (?6, ?7, ?8, ?9))
+             ORDER BY created_at, scope, operation, idem_key LIMIT ?5",
+        )
+        .bind(filter.state().map(KeyState::as_str))
+        .bind(filter.scope())
+        .bind(filter.operation())
+        .bind(older_than)
+        .bind(i64::from(filter.limit()))
+        // Keyset paging: the rows after the last one of the page before.
+        .bind(after.map(|c| c.created_at().timestamp_millis()))
+        .bind(after.map(|c| c.key().scope()))
+        .bind(after.map(|c| c.key().operation()))
+        .bind(after.map(|c| c.key().key()))
+        .fetch_all(&self.reader)
+        .await?;
+        rows.iter().map(record).collect()
+    }
+
+    async fn resolve(
+        &self,
+        key: &IdempotencyKey,
+        resolution: &Resolution,
+        note: &OperatorNote,
+        retention: Duration,
+    ) -> Result<bool, StoreError> {
+        let result = match resolution {
+            Resolution::Completed(bytes) => Some(bytes.clone()),
+            _ => None,
+        };
+        let state = resolution.state().as_str();
+        let set = "state = ?, result = ?, reason = ?, expires_at = ?, updated_at = ?";
+        let binds = vec![
+            Bind::Text(Some(state.to_owned())),
+            Bind::Bytes(result),
+            Bind::Text(Some(note.reason.clone())),
+            Bind::Int(after(retention)),
+            Bind::Int(now()),
+        ];
+        let event = ("resolved", format!("{state}: {}", note.detail()));
+        self.on_parked(set, binds, key, note, event).await
+    }
+
+    async fn hand_back(
+        &self,
+        key: &IdempotencyKey,
+        note: &OperatorNote,
+    ) -> Result<bool, StoreError> {
+        let set = "state = 'pending', lease_until = ?, recovery_attempts = 0, reason = ?, \
+                   updated_at = ?";
+        let binds = vec![
+            Bind::Int(now()),
+            Bind::Text(Some(note.reason.clone())),
+            Bind::Int(now()),
+        ];
+        let event = ("handed_back", note.detail());
+        self.on_parked(set, binds, key, note, event).await
+    }
+
+    async fn history(&self, key: &IdempotencyKey, limit: u32) -> Result<Vec<KeyEvent>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT * FROM (SELECT * FROM key_events
+                WHERE scope = ? AND operation = ? AND idem_key = ? ORDER BY id DESC LIMIT ?)
+             ORDER BY id",
+        )
+        .bind(key.scope())
+        .bind(key.operation())
+        .bind(key.key())
+        .bind(i64::from(limit))
+        .fetch_all(&self.reader)
+        .await?;
+        rows.iter()
+            .map(|row| {
+                let at = chrono::DateTime::from_timestamp_millis(row.try_get("at")?)
+                    .ok_or_else(|| StoreError::Corrupt("at".to_owned()))?;
+                let kind = row.try_get::<String, _>("kind")?.parse()?;
+                let mut event = KeyEvent::new(at, kind);
+                event.detail = row.try_get("detail")?;
+                event.actor = row.try_get("actor")?;
+                Ok(event)
+            })
+            .collect()
+    }
+
+    async fn stats(&self) -> Result<KeyStats, StoreError> {
+        let mut stats = KeyStats::default();
+        let rows = sqlx::query(
+            "SELECT operation, state, COUNT(*) AS n FROM keys
+             GROUP BY operation, state ORDER BY operation, state",
+        )
+        .fetch_all(&self.reader)
+        .await?;
+        for row in &rows {
+            let state = row.try_get::<String, _>("state")?.parse()?;
+            let count = u64::try_from(row.try_get::<i64, _>("n")?).unwrap_or(0);
+            stats.counts.push(StateCount::new(
+                row.try_get::<String, _>("operation")?,
+                state,
+                count,
+            ));
+        }
+        let oldest: Option<i64> =
+            sqlx::query_scalar("SELECT MIN(created_at) FROM keys WHERE state = 'pending'")
+                .fetch_one(&self.reader)
+                .await?;
+        stats.oldest_pending_age =
+            oldest.map(|at| Duration::from_millis(u64::try_from(now() - at).unwrap_or(0)));
+        stats.expired_leases = self.expired_leases(u32::MAX).await?.len() as u64;
+        stats.purgeable = self.count_purgeable().await?;
+        Ok(stats)
+    }
+}
+
+impl MinimalStore {
+    /// An operator's change of a parked row, fenced on the `updated_at` the operator saw, and
+    /// its history event, in one transaction.
+    async fn on_parked(
+        &self,
+        set: &str,
+        binds: Vec<Bind>,
+        key: &IdempotencyKey,
+        note: &OperatorNote,
+        (kind, detail): (&str, String),
+    ) -> Result<bool, StoreError> {
+        let sql = format!(
+            "UPDATE keys SET {set} WHERE scope = ? AND operation = ? AND idem_key = ?
+               AND state = 'needs_review' AND (? IS NULL OR updated_at = ?)"
+        );
+        let mut update = sqlx::query(&sql);
+        for bind in binds {
+            update = match bind {
+                Bind::Int(value) => update.bind(value),
+                Bind::Text(value) => update.bind(value),
+                Bind::Bytes(value) => update.bind(value),
+            };
+        }
+        let seen = note.seen.map(|seen| seen.timestamp_millis());
+        let mut tx = self.pool.begin().await?;
+        let done = update
+            .bind(key.scope())
+            .bind(key.operation())
+            .bind(key.key())
+            .bind(seen)
+            .bind(seen)
+            .execute(&mut *tx)
+            .await?;
+        if done.rows_affected() != 1 {
+            return Ok(false);
+        }
+        sqlx::query(
+            "INSERT INTO key_events (scope, operation, idem_key, at, kind, detail, actor)
+             VALUES (?, ?, ?, ?, ?, ?, ?)",
+        )
+        .bind(key.scope())
+        .bind(key.operation())
+        .bind(key.key())
+        .bind(now())
+        .bind(kind)
+        .bind(detail)
+        .bind(&note.operator)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(true)
+    }
+}
 
 /// A purchase run twice under one key: executed once, replayed once.
 #[tokio::main(flavor = "current_thread")]

@@ -4,7 +4,7 @@ use crate::{
     error::{Error, StoreError},
     heartbeat::Heartbeat,
     replay_cache::ReplayCache,
-    store::{Effects, KeyRecord, LeaseToken, Store},
+    store::{history::EventKind, Effects, KeyRecord, LeaseToken, Store},
     Fingerprint, IdempotencyKey,
 };
 use std::{
@@ -40,6 +40,9 @@ pub struct Lease<S: Store> {
     /// own (the single-transaction mode): rolling that transaction back is the release, and
     /// nothing is ever released, parked or left pending through the store.
     pub(crate) in_transaction: bool,
+    /// The key records a history (external or durable work): its transitions write events.
+    /// A plain local key records nothing, so it costs no extra statement.
+    pub(crate) records_history: bool,
 }
 
 impl<S: Store> Lease<S> {
@@ -143,11 +146,21 @@ impl<S: Store> Lease<S> {
             .store
             .complete(&mut tx, &self.key, self.token, result, self.retention)
             .await;
+        let completed = match completed {
+            Ok(true) if self.records_history => self
+                .store
+                .append_event(&mut tx, &self.key, EventKind::Completed, None)
+                .await
+                .map(|()| true),
+            other => other,
+        };
         match completed {
             Ok(true) => {}
             Ok(false) => {
                 self.disarm();
                 let _ = tx.rollback().await;
+                self.note_lease_lost("the completion found the lease taken")
+                    .await;
                 return Err(Error::LeaseLost);
             }
             Err(e) => {
@@ -179,7 +192,25 @@ impl<S: Store> Lease<S> {
         if self.releases_nothing() {
             return Ok(false);
         }
-        self.store.release(&self.key, self.token).await
+        self.store_release().await
+    }
+
+    /// Releases through the store, with a `released` event for a key that records a history.
+    async fn store_release(&self) -> Result<bool, StoreError> {
+        if self.records_history {
+            self.store.release_recorded(&self.key, self.token).await
+        } else {
+            self.store.release(&self.key, self.token).await
+        }
+    }
+
+    /// For a key that records a history: appends a `lease_lost` event (actor: this holder) in a
+    /// transaction of its own, after a fenced write found the lease taken. Best effort: a
+    /// failure is logged.
+    pub(crate) async fn note_lease_lost(&self, detail: &str) {
+        if self.records_history && !self.in_transaction {
+            append_on_its_own(&self.store, &self.key, EventKind::LeaseLost, Some(detail)).await;
+        }
     }
 
     /// Whether a release must not touch the store: the key row lives only in the business
@@ -221,6 +252,12 @@ impl<S: Store> Lease<S> {
         if self.in_transaction {
             return Ok(false);
         }
+        if self.records_history {
+            return self
+                .store
+                .park_recorded(&self.key, self.token, reason)
+                .await;
+        }
         self.store.park(&self.key, self.token, reason).await
     }
 
@@ -239,7 +276,7 @@ impl<S: Store> Lease<S> {
         if self.releases_nothing() {
             return;
         }
-        if let Err(error) = self.store.release(&self.key, self.token).await {
+        if let Err(error) = self.store_release().await {
             tracing::warn!(%error, key = %self.key, "could not release idempotency key; it stays pending until its lease ends");
         }
     }
@@ -253,10 +290,16 @@ impl<S: Store> Lease<S> {
             return;
         }
         let (store, key, token) = (self.store.clone(), self.key.clone(), self.token);
+        let recorded = self.records_history;
         match tokio::runtime::Handle::try_current() {
             Ok(runtime) => {
                 runtime.spawn(async move {
-                    if let Err(error) = store.release(&key, token).await {
+                    let released = if recorded {
+                        store.release_recorded(&key, token).await
+                    } else {
+                        store.release(&key, token).await
+                    };
+                    if let Err(error) = released {
                         tracing::warn!(%error, %key, "could not release abandoned idempotency key");
                     }
                 });
@@ -278,5 +321,25 @@ impl<S: Store> Drop for Lease<S> {
             return;
         }
         self.release_in_background();
+    }
+}
+
+/// Appends an event to the history of `key` in a transaction of its own (an outside call
+/// started, an unknown answer, a lost lease): events that record no change of the row. Best
+/// effort: a failure is logged, and the work goes on.
+pub(crate) async fn append_on_its_own<S: Store>(
+    store: &S,
+    key: &IdempotencyKey,
+    kind: EventKind,
+    detail: Option<&str>,
+) {
+    let appended = async {
+        let mut tx = store.begin().await?;
+        store.append_event(&mut tx, key, kind, detail).await?;
+        tx.commit().await?;
+        Ok::<(), StoreError>(())
+    };
+    if let Err(error) = appended.await {
+        tracing::warn!(%error, %key, kind = %kind, "could not append to the key's history");
     }
 }

@@ -93,8 +93,9 @@ pub mod maintenance {
     //! assert_eq!(RecoveryReport::default().acted(), 0);
     //! ```
 
-    pub use crate::recovery::{resolve, Recovery, RecoveryReport, ResolveError};
+    pub use crate::recovery::{hand_back, resolve, Recovery, RecoveryReport, ResolveError};
     pub use crate::retention::{Purge, PurgeReport};
-    pub use crate::store::maintenance::{KeyFilter, KeyStats, Resolution, StateCount};
+    pub use crate::store::history::{EventKind, KeyEvent, OperatorNote};
+    pub use crate::store::maintenance::{KeyCursor, KeyFilter, KeyStats, Resolution, StateCount};
     pub use crate::worker::{MaintenanceWorker, WorkerHandle, WorkerReport};
 }

@@ -27,8 +27,8 @@ use crate::{
     replay_cache::ReplayCache,
     steps::StepPolicy,
     store::{
-        Effects, Insertion, KeyRecord, KeyState, LeaseToken, PendingRow, ReserveInTransaction,
-        ReservedIn, Store,
+        history::EventKind, Effects, Insertion, KeyRecord, KeyState, LeaseToken, PendingRow,
+        ReserveInTransaction, ReservedIn, Store,
     },
     Fingerprint, IdempotencyKey, Outcome,
 };
@@ -619,6 +619,15 @@ impl<S: Store> Idempotency<S> {
             .reserve
             .reserve_in(&self.store, &mut tx, &row, wait)
             .await;
+        let reserved = match reserved {
+            // The key's history begins in the same transaction as its row.
+            Ok(ReservedIn::Inserted) if row.records_history() => self
+                .store
+                .append_event(&mut tx, row.key, EventKind::Reserved, None)
+                .await
+                .map(|()| ReservedIn::Inserted),
+            other => other,
+        };
         if let Ok(ReservedIn::Inserted) = reserved {
             self.recent_replays.observe(false);
             let lease = self.lease_for(&row, true);
@@ -847,6 +856,7 @@ impl<S: Store> Idempotency<S> {
                 .flatten(),
             replay_cache: self.cache_for(row.fingerprint),
             in_transaction,
+            records_history: row.records_history(),
         }
     }
 
@@ -872,6 +882,8 @@ impl<S: Store> Idempotency<S> {
             heartbeat: self.heartbeat_for(&record.key, token),
             replay_cache: self.cache_for(record.fingerprint),
             in_transaction: false,
+            // Claimed by the recovery job: external work, or a durable operation.
+            records_history: true,
         }
     }
 

@@ -5,9 +5,13 @@ use crate::{
     operation::{Operations, Resumed},
     protocol::Idempotency,
     steps::Settlement,
-    store::{Effects, Journal, KeyRecord, KeyState, LeaseToken, Maintenance, Resolution},
+    store::{
+        history::OperatorNote, Effects, Journal, KeyRecord, KeyState, LeaseToken, Maintenance,
+        Resolution,
+    },
     IdempotencyKey,
 };
+use chrono::{DateTime, Utc};
 use futures_util::{stream::FuturesUnordered, FutureExt, StreamExt};
 use std::{fmt, future::Future, panic::AssertUnwindSafe, time::Duration};
 
@@ -436,7 +440,7 @@ impl<S: Maintenance + Journal, R: Resolver> Recovery<S, R> {
         let Some(resolver) = &self.resolver else {
             let done = self
                 .store
-                .park(
+                .park_recorded(
                     key,
                     token,
                     "abandoned external operation; no resolver configured",
@@ -459,7 +463,7 @@ impl<S: Maintenance + Journal, R: Resolver> Recovery<S, R> {
                 (Recovered::Completed, done)
             }
             ProviderAnswer::Failed => {
-                let done = self.store.release(key, token).await?;
+                let done = self.store.release_recorded(key, token).await?;
                 (Recovered::Failed, done)
             }
             ProviderAnswer::Unknown => {
@@ -468,7 +472,7 @@ impl<S: Maintenance + Journal, R: Resolver> Recovery<S, R> {
                     let reason = format!(
                         "abandoned external operation; the provider's answer was unknown {attempts} times"
                     );
-                    let done = self.store.park(key, token, &reason).await?;
+                    let done = self.store.park_recorded(key, token, &reason).await?;
                     (Recovered::Parked, done)
                 } else {
                     let done = self
@@ -558,7 +562,7 @@ impl RecoveryReport {
     }
 }
 
-/// Why [`resolve`] refused.
+/// Why [`resolve`] or [`hand_back`] refused.
 ///
 /// ```
 /// use idempotency::maintenance::ResolveError;
@@ -567,13 +571,26 @@ impl RecoveryReport {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ResolveError {
-    /// A resolution must say why (it is kept on the row).
+    /// An operator action must say why (it is kept on the row and in the history).
     #[error("a reason is required to resolve a key")]
     EmptyReason,
+    /// An operator action must say who takes it (it is recorded in the history).
+    #[error("an operator name is required to resolve a key")]
+    EmptyOperator,
+    /// A field of the note is longer than allowed.
+    #[error("the {field} is {len} bytes long; at most {max} are allowed")]
+    TooLong {
+        /// Which field: `operator`, `reason` or `evidence`.
+        field: &'static str,
+        /// Its length in bytes.
+        len: usize,
+        /// The most allowed.
+        max: usize,
+    },
     /// No row for that key.
     #[error("no idempotency key {0}")]
     NotFound(IdempotencyKey),
-    /// The key is not parked; only `needs_review` keys can be resolved.
+    /// The key is not parked; only `needs_review` keys can be resolved or handed back.
     #[error("key {key} is {state}, not needs_review; only parked keys can be resolved")]
     NotParked {
         /// The key.
@@ -581,21 +598,102 @@ pub enum ResolveError {
         /// Its current state.
         state: KeyState,
     },
+    /// The row changed since the operator looked at it (its `updated_at` is no longer the
+    /// note's `seen`): nothing was written; look again.
+    #[error("key {key} changed since it was seen (updated at {updated_at}); look again")]
+    Stale {
+        /// The key.
+        key: IdempotencyKey,
+        /// The row's current `updated_at`.
+        updated_at: DateTime<Utc>,
+    },
     /// The store failed.
     #[error(transparent)]
     Store(#[from] StoreError),
 }
 
+/// The longest operator name an action accepts, in bytes.
+const OPERATOR_MAX_BYTES: usize = 200;
+/// The longest reason an action accepts, in bytes.
+const REASON_MAX_BYTES: usize = 1000;
+/// The longest evidence an action accepts, in bytes.
+const EVIDENCE_MAX_BYTES: usize = 700;
+
+/// The note with its fields trimmed, or why it is refused: operator and reason must not be
+/// empty; operator, reason and evidence are bounded (together they fit an event's detail).
+fn validated(note: &OperatorNote) -> Result<OperatorNote, ResolveError> {
+    let operator = note.operator.trim();
+    let reason = note.reason.trim();
+    let evidence = note
+        .evidence
+        .as_deref()
+        .map(str::trim)
+        .filter(|e| !e.is_empty());
+    if operator.is_empty() {
+        return Err(ResolveError::EmptyOperator);
+    }
+    if reason.is_empty() {
+        return Err(ResolveError::EmptyReason);
+    }
+    let fields = [
+        ("operator", operator.len(), OPERATOR_MAX_BYTES),
+        ("reason", reason.len(), REASON_MAX_BYTES),
+        ("evidence", evidence.map_or(0, str::len), EVIDENCE_MAX_BYTES),
+    ];
+    if let Some(&(field, len, max)) = fields.iter().find(|(_, len, max)| len > max) {
+        return Err(ResolveError::TooLong { field, len, max });
+    }
+    let mut clean = OperatorNote::new(operator, reason);
+    clean.evidence = evidence.map(str::to_owned);
+    clean.seen = note.seen;
+    Ok(clean)
+}
+
+/// Why an operator action that did not act was refused, from the row as it is now.
+async fn refusal<S: Maintenance>(store: &S, key: &IdempotencyKey) -> ResolveError {
+    match refusal_reason(store, key).await {
+        Ok(never) => match never {},
+        Err(error) => error,
+    }
+}
+
+/// [`refusal`]'s reading of the row.
+async fn refusal_reason<S: Maintenance>(
+    store: &S,
+    key: &IdempotencyKey,
+) -> Result<std::convert::Infallible, ResolveError> {
+    let row = store
+        .find(key)
+        .await?
+        .ok_or_else(|| ResolveError::NotFound(key.clone()))?;
+    if row.state != KeyState::NeedsReview {
+        return Err(ResolveError::NotParked {
+            key: key.clone(),
+            state: row.state,
+        });
+    }
+    // Still parked, yet not acted on: its `updated_at` is no longer the note's `seen` (or
+    // another action settled and re-parked it meanwhile).
+    Err(ResolveError::Stale {
+        key: key.clone(),
+        updated_at: row.updated_at,
+    })
+}
+
 /// Settles a parked key as an operator: `needs_review` → `completed` (with result bytes) or
-/// `failed`, keeping `reason` on the row and the result for `retention`. Returns the updated row.
+/// `failed`, keeping the note's reason on the row and the result for `retention`, and recording
+/// a `resolved` event (the operator, the resolution, reason and evidence) in the key's history.
+/// With [`OperatorNote::with_seen`], refuses ([`ResolveError::Stale`]) if the row changed since.
+/// Returns the updated row.
 ///
 /// ```no_run
 /// # #[cfg(feature = "sqlite")]
 /// # async fn demo(store: idempotency::SqliteStore) -> Result<(), Box<dyn std::error::Error>> {
-/// use idempotency::{IdempotencyKey, maintenance::{resolve, Resolution}};
+/// use idempotency::{IdempotencyKey, maintenance::{resolve, OperatorNote, Resolution}};
 /// use std::time::Duration;
 /// let key = IdempotencyKey::new("user-1", "charge", "k-9")?;
-/// let row = resolve(&store, &key, &Resolution::Failed, "provider shows no charge", Duration::from_secs(86_400)).await?;
+/// let note = OperatorNote::new("alice", "provider shows no charge");
+/// let row = resolve(&store, &key, &Resolution::Failed, &note, Duration::from_secs(86_400)).await?;
 /// assert_eq!(row.reason.as_deref(), Some("provider shows no charge"));
 /// # Ok(()) }
 /// ```
@@ -603,23 +701,47 @@ pub async fn resolve<S: Maintenance>(
     store: &S,
     key: &IdempotencyKey,
     resolution: &Resolution,
-    reason: &str,
+    note: &OperatorNote,
     retention: Duration,
 ) -> Result<KeyRecord, ResolveError> {
-    let reason = reason.trim();
-    if reason.is_empty() {
-        return Err(ResolveError::EmptyReason);
+    let note = validated(note)?;
+    if !store.resolve(key, resolution, &note, retention).await? {
+        return Err(refusal(store, key).await);
     }
-    let resolved = store.resolve(key, resolution, reason, retention).await?;
-    let row = store
+    store
         .find(key)
         .await?
-        .ok_or_else(|| ResolveError::NotFound(key.clone()))?;
-    if !resolved {
-        return Err(ResolveError::NotParked {
-            key: key.clone(),
-            state: row.state,
-        });
+        .ok_or_else(|| ResolveError::NotFound(key.clone()))
+}
+
+/// Hands a parked key back to the resumer as an operator, so it asks the provider again:
+/// `needs_review` → `pending` with its lease ended and its attempts reset, keeping the note's
+/// reason on the row and recording a `handed_back` event in the key's history. The next pass of
+/// the recovery job (or the durable resumer) claims it. With [`OperatorNote::with_seen`],
+/// refuses ([`ResolveError::Stale`]) if the row changed since. Returns the updated row.
+///
+/// ```no_run
+/// # #[cfg(feature = "sqlite")]
+/// # async fn demo(store: idempotency::SqliteStore) -> Result<(), Box<dyn std::error::Error>> {
+/// use idempotency::{IdempotencyKey, maintenance::{hand_back, OperatorNote}, store::KeyState};
+/// let key = IdempotencyKey::new("user-1", "charge", "k-9")?;
+/// let note = OperatorNote::new("alice", "provider was down; ask again")
+///     .with_evidence("status page incident 812");
+/// let row = hand_back(&store, &key, &note).await?;
+/// assert_eq!(row.state, KeyState::Pending);
+/// # Ok(()) }
+/// ```
+pub async fn hand_back<S: Maintenance>(
+    store: &S,
+    key: &IdempotencyKey,
+    note: &OperatorNote,
+) -> Result<KeyRecord, ResolveError> {
+    let note = validated(note)?;
+    if !store.hand_back(key, &note).await? {
+        return Err(refusal(store, key).await);
     }
-    Ok(row)
+    store
+        .find(key)
+        .await?
+        .ok_or_else(|| ResolveError::NotFound(key.clone()))
 }

@@ -3,8 +3,11 @@
 use crate::{
     error::{BoxError, PerformError, StepError},
     fingerprint::canonical_json,
-    lease::Lease,
-    store::{Journal as JournalStore, KeyRecord, Progress, Store},
+    lease::{append_on_its_own, Lease},
+    store::{
+        history::{self, EventKind},
+        Journal as JournalStore, KeyRecord, Progress, Store,
+    },
     IdempotencyKey,
 };
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
@@ -251,6 +254,9 @@ pub struct Steps<S: JournalStore> {
     unknown_so_far: u32,
     resumed: bool,
     settled: bool,
+    /// Events waiting for the next commit of the journal (answers of outside calls, which are
+    /// committed with the next step).
+    events: Vec<(EventKind, String)>,
 }
 
 impl<S: JournalStore> std::fmt::Debug for Steps<S> {
@@ -304,6 +310,7 @@ impl<S: JournalStore> Steps<S> {
             request,
             lease,
             settled: false,
+            events: Vec::new(),
         })
     }
 
@@ -360,11 +367,43 @@ impl<S: JournalStore> Steps<S> {
             .store()
             .save_progress(tx, self.lease.key(), self.lease.token(), &progress)
             .await?;
-        if saved {
-            Ok(())
-        } else {
-            Err(StepError::LeaseLost)
+        if !saved {
+            return Err(StepError::LeaseLost);
         }
+        if self.lease.records_history {
+            for (kind, detail) in std::mem::take(&mut self.events) {
+                let key = self.lease.key();
+                let store = self.lease.store();
+                store.append_event(tx, key, kind, Some(&detail)).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// After a step's transaction rolled back on `error`: a lost lease is noted in the key's
+    /// history (in a transaction of its own, once the step's has ended: SQLite has one writer).
+    async fn after_rollback(&self, error: StepError) -> StepError {
+        if matches!(error, StepError::LeaseLost) {
+            self.lease
+                .note_lease_lost("a step found the lease taken")
+                .await;
+        }
+        error
+    }
+
+    /// Appends an event of `kind` to the key's history at once, in a transaction of its own
+    /// (an outside call about to start, an unknown answer): nothing else commits with it.
+    async fn append_now(&self, kind: EventKind, detail: &str) {
+        if self.lease.records_history {
+            append_on_its_own(self.store(), self.lease.key(), kind, Some(detail)).await;
+        }
+    }
+
+    /// An answer of an outside call, recorded with the next commit of the journal.
+    fn answered<T: Serialize>(&mut self, provider_key: &str, output: &T) {
+        let answer = serde_json::to_string(output).unwrap_or_default();
+        let detail = history::call_detail(provider_key, Some(&answer));
+        self.events.push((EventKind::CallAnswered, detail));
     }
 
     /// Saves the journal in a transaction of its own (outside calls' marks and results).
@@ -372,7 +411,7 @@ impl<S: JournalStore> Steps<S> {
         let mut tx = self.store().begin().await?;
         if let Err(e) = self.save(&mut tx, point).await {
             let _ = tx.rollback().await;
-            return Err(e);
+            return Err(self.after_rollback(e).await);
         }
         tx.commit().await?;
         self.committed(point);
@@ -417,10 +456,12 @@ impl<S: JournalStore> Steps<S> {
         self.journal
             .done
             .insert(name.to_owned(), serde_json::to_value(&output)?);
+        self.events
+            .push((EventKind::StepCommitted, name.to_owned()));
         if let Err(e) = self.save(&mut tx, name).await {
             self.journal.done.remove(name);
             let _ = tx.rollback().await;
-            return Err(e);
+            return Err(self.after_rollback(e).await);
         }
         tx.commit().await?;
         self.committed(name);
@@ -469,10 +510,15 @@ impl<S: JournalStore> Steps<S> {
         loop {
             if ask_first {
                 match lookup(key.clone()).await {
-                    Lookup::Done(output) => return self.note_call(name, output),
+                    Lookup::Done(output) => {
+                        self.answered(&key, &output);
+                        return self.note_call(name, output);
+                    }
                     Lookup::NotDone => {}
                     Lookup::Unknown(reason) => {
-                        return Err(self.unknown(&format!("{name}: {reason}")).await)
+                        let detail = format!("{key} {name}: {reason}");
+                        self.append_now(EventKind::CallUnknown, &detail).await;
+                        return Err(self.unknown(&format!("{name}: {reason}")).await);
                     }
                 }
             }
@@ -482,8 +528,13 @@ impl<S: JournalStore> Steps<S> {
                 });
             }
             calls += 1;
+            self.append_now(EventKind::CallStarted, &history::call_detail(&key, None))
+                .await;
             match call(key.clone()).await {
-                Ok(output) => return self.note_call(name, output),
+                Ok(output) => {
+                    self.answered(&key, &output);
+                    return self.note_call(name, output);
+                }
                 Err(CallError::Declined(reason)) => {
                     return Err(StepError::Declined {
                         step: name.to_owned(),
@@ -492,6 +543,8 @@ impl<S: JournalStore> Steps<S> {
                 }
                 Err(CallError::Unknown(reason)) => {
                     tracing::debug!(key = %self.key(), step = name, %reason, "outside call unanswered; asking the provider");
+                    let detail = format!("{key} {name}: {reason}");
+                    self.append_now(EventKind::CallUnknown, &detail).await;
                     ask_first = true;
                 }
             }
@@ -537,12 +590,16 @@ impl<S: JournalStore> Steps<S> {
             return Err(self.park(&reason).await);
         }
         self.journal.started.insert(name.to_owned());
+        self.events.push((EventKind::CallStarted, name.to_owned()));
         if let Err(e) = self.save_now(&format!("{name}: started")).await {
             self.journal.started.remove(name);
             return Err(e);
         }
         match call().await {
-            Ok(output) => self.record_call(name, output).await,
+            Ok(output) => {
+                self.answered(name, &output);
+                self.record_call(name, output).await
+            }
             Err(CallError::Declined(reason)) => {
                 self.journal.started.remove(name);
                 self.save_now(&format!("{name}: declined")).await?;
@@ -607,7 +664,7 @@ impl<S: JournalStore> Steps<S> {
         let result = serde_json::to_vec(&response)?;
         if let Err(e) = self.save(&mut tx, point).await {
             let _ = tx.rollback().await;
-            return Err(e);
+            return Err(self.after_rollback(e).await);
         }
         // The remaining lease covers the completion; a beat racing it would only find it settled.
         self.lease.stop_heartbeat();
@@ -624,7 +681,20 @@ impl<S: JournalStore> Steps<S> {
             .await?;
         if !completed {
             let _ = tx.rollback().await;
+            self.lease
+                .note_lease_lost("the completion found the lease taken")
+                .await;
             return Err(StepError::LeaseLost);
+        }
+        if self.lease.records_history {
+            let (kind, detail) = match settlement {
+                Settlement::Completed => (EventKind::Completed, None),
+                _ => (EventKind::Failed, Some(point)),
+            };
+            let key = self.lease.key();
+            self.store()
+                .append_event(&mut tx, key, kind, detail)
+                .await?;
         }
         // A failed COMMIT may still have committed (a lost acknowledgement): the key is left
         // pending either way, never released, and the next holder finds out from the row.
@@ -670,11 +740,13 @@ impl<S: JournalStore> Steps<S> {
 
     async fn park(&mut self, reason: &str) -> StepError {
         self.lease.stop_heartbeat();
-        match self
-            .store()
-            .park(self.lease.key(), self.lease.token(), reason)
-            .await
-        {
+        let (key, token) = (self.lease.key(), self.lease.token());
+        let parked = if self.lease.records_history {
+            self.store().park_recorded(key, token, reason).await
+        } else {
+            self.store().park(key, token, reason).await
+        };
+        match parked {
             Ok(true) => {
                 self.lease.disarm();
                 tracing::warn!(key = %self.key(), %reason, "durable operation parked for review");

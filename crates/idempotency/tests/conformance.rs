@@ -16,7 +16,7 @@ mod sqlite {
     // SQLite has no `ReserveInTransaction`: its one writer queues whole transactions.
     idempotency::store::testing::store_conformance!(
         fresh,
-        [protocol, journal, completion_signal],
+        [protocol, journal, completion_signal, maintenance],
         single_writer
     );
 }
@@ -30,7 +30,13 @@ mod postgres {
 
     idempotency::store::testing::store_conformance!(
         fresh,
-        [protocol, journal, reserve_in_transaction, completion_signal]
+        [
+            protocol,
+            journal,
+            reserve_in_transaction,
+            completion_signal,
+            maintenance
+        ]
     );
 }
 
@@ -43,6 +49,12 @@ mod mysql {
 
     idempotency::store::testing::store_conformance!(
         fresh,
-        [protocol, journal, reserve_in_transaction, completion_signal]
+        [
+            protocol,
+            journal,
+            reserve_in_transaction,
+            completion_signal,
+            maintenance
+        ]
     );
 }

@@ -17,6 +17,6 @@ async fn fresh() -> Option<MinimalStore> {
 // One writer connection: an open business transaction holds every other write back.
 idempotency::store::testing::store_conformance!(
     fresh,
-    [protocol, journal, completion_signal],
+    [protocol, journal, completion_signal, maintenance],
     single_writer
 );

@@ -75,5 +75,5 @@ async fn key_columns_collate_as_bytes() {
             .fetch_all(store.pool())
             .await
             .unwrap();
-    assert_eq!(applied, [1, 2, 3]);
+    assert_eq!(applied, [1, 2, 3, 4]);
 }

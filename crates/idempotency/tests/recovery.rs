@@ -5,7 +5,7 @@ mod common;
 use common::{attempt, purchase, unique, wait_until, Harness};
 use idempotency::{
     durable::{ProviderAnswer, Resolver},
-    maintenance::{resolve, Recovery, Resolution, ResolveError},
+    maintenance::{resolve, EventKind, OperatorNote, Recovery, Resolution, ResolveError},
     protocol::Reservation,
     store::{KeyRecord, KeyState, Maintenance},
     Attempt, Effects, Error, Idempotency, Outcome,
@@ -367,6 +367,11 @@ async fn racing_recovery_workers_never_double_act<S: Harness + Maintenance>(stor
     );
 }
 
+/// An operator note for `reason`.
+fn note(reason: &str) -> OperatorNote {
+    OperatorNote::new("alice", reason)
+}
+
 async fn resolve_settles_parked_keys_and_keeps_the_reason<S: Harness + Maintenance>(store: S) {
     let retention = Duration::from_secs(3600);
     let trial = unique("resolve");
@@ -385,12 +390,18 @@ async fn resolve_settles_parked_keys_and_keeps_the_reason<S: Harness + Maintenan
     );
 
     // A reason is required, and the key must exist and be parked.
-    let err = resolve(&store, done.key(), &Resolution::Failed, "  ", retention)
-        .await
-        .unwrap_err();
+    let err = resolve(
+        &store,
+        done.key(),
+        &Resolution::Failed,
+        &note("  "),
+        retention,
+    )
+    .await
+    .unwrap_err();
     assert!(matches!(err, ResolveError::EmptyReason), "{err:?}");
     let missing = external("user-1", &format!("{trial}-missing")).into_key();
-    let err = resolve(&store, &missing, &Resolution::Failed, "x", retention)
+    let err = resolve(&store, &missing, &Resolution::Failed, &note("x"), retention)
         .await
         .unwrap_err();
     assert!(matches!(err, ResolveError::NotFound(_)), "{err:?}");
@@ -400,7 +411,7 @@ async fn resolve_settles_parked_keys_and_keeps_the_reason<S: Harness + Maintenan
         &store,
         done.key(),
         &Resolution::Completed(bytes.clone()),
-        "provider dashboard shows ch_9",
+        &note("provider dashboard shows ch_9"),
         retention,
     )
     .await
@@ -415,9 +426,15 @@ async fn resolve_settles_parked_keys_and_keeps_the_reason<S: Harness + Maintenan
         Outcome::Replayed(json!({"charge": "ch_9"}))
     );
     // Only parked keys: a second resolution is refused.
-    let err = resolve(&store, done.key(), &Resolution::Failed, "oops", retention)
-        .await
-        .unwrap_err();
+    let err = resolve(
+        &store,
+        done.key(),
+        &Resolution::Failed,
+        &note("oops"),
+        retention,
+    )
+    .await
+    .unwrap_err();
     assert!(
         matches!(
             err,
@@ -433,7 +450,7 @@ async fn resolve_settles_parked_keys_and_keeps_the_reason<S: Harness + Maintenan
         &store,
         failed.key(),
         &Resolution::Failed,
-        "no charge at the provider",
+        &note("no charge at the provider"),
         retention,
     )
     .await
@@ -480,7 +497,7 @@ async fn racing_resolutions_only_one_wins<S: Harness + Maintenance>(store: S) {
                         &store,
                         &key,
                         &resolution,
-                        &format!("operator {i}"),
+                        &OperatorNote::new(format!("operator {i}"), format!("operator {i}")),
                         Duration::from_secs(60),
                     )
                     .await
@@ -498,6 +515,15 @@ async fn racing_resolutions_only_one_wins<S: Harness + Maintenance>(store: S) {
         assert_eq!(winners.len(), 1, "{}: exactly one operator wins", S::NAME);
         let row = store.find(&key).await.unwrap().unwrap();
         assert_eq!(row.reason, winners[0].reason);
+        let resolved: Vec<_> = store
+            .history(&key, 100)
+            .await
+            .unwrap()
+            .into_iter()
+            .filter(|event| event.kind == EventKind::Resolved)
+            .collect();
+        assert_eq!(resolved.len(), 1, "{}: one resolved event", S::NAME);
+        assert_eq!(resolved[0].actor, winners[0].reason, "{}", S::NAME);
     }
 }
 

@@ -26,6 +26,7 @@ test_support::backend_tests! {
     purge_removes_only_expired_keys_in_batches,
     concurrent_purges_delete_each_row_once,
     large_purge_runs_beside_a_busy_writer,
+    purge_takes_histories_with_their_keys_and_old_orphans,
 }
 
 /// Rows written straight with SQL, in bulk, with times relative to the database clock.
@@ -39,9 +40,25 @@ trait Bulk: Harness + Maintenance {
         n: i64,
         expires_in_ms: i64,
     ) -> impl Future<Output = ()> + Send;
+
+    /// Appends a `reserved` event to the history of `scope/bulk/key`, `days_ago` days ago.
+    fn old_event(&self, scope: &str, key: &str, days_ago: i64) -> impl Future<Output = ()> + Send;
 }
 
 impl Bulk for PgStore {
+    async fn old_event(&self, scope: &str, key: &str, days_ago: i64) {
+        sqlx::query(
+            "INSERT INTO idempotency_key_events (scope, operation, idem_key, at, kind)
+             VALUES ($1, 'bulk', $2, now() - $3 * INTERVAL '1 day', 'reserved')",
+        )
+        .bind(scope)
+        .bind(key)
+        .bind(days_ago)
+        .execute(self.pool())
+        .await
+        .expect("insert an event");
+    }
+
     async fn bulk(&self, scope: &str, state: KeyState, n: i64, expires_in_ms: i64) {
         sqlx::query(
             "INSERT INTO idempotency_keys
@@ -63,6 +80,20 @@ impl Bulk for PgStore {
 }
 
 impl Bulk for SqliteStore {
+    async fn old_event(&self, scope: &str, key: &str, days_ago: i64) {
+        sqlx::query(
+            "INSERT INTO idempotency_key_events (scope, operation, idem_key, at, kind)
+             VALUES (?1, 'bulk', ?2,
+                     CAST(unixepoch('subsec') * 1000 AS INTEGER) - ?3 * 86400000, 'reserved')",
+        )
+        .bind(scope)
+        .bind(key)
+        .bind(days_ago)
+        .execute(self.pool())
+        .await
+        .expect("insert an event");
+    }
+
     async fn bulk(&self, scope: &str, state: KeyState, n: i64, expires_in_ms: i64) {
         sqlx::query(
             "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < ?4),
@@ -85,6 +116,19 @@ impl Bulk for SqliteStore {
 }
 
 impl Bulk for MySqlStore {
+    async fn old_event(&self, scope: &str, key: &str, days_ago: i64) {
+        sqlx::query(
+            "INSERT INTO idempotency_key_events (scope, operation, idem_key, at, kind)
+             VALUES (?, 'bulk', ?, UTC_TIMESTAMP(3) - INTERVAL ? DAY, 'reserved')",
+        )
+        .bind(scope)
+        .bind(key)
+        .bind(days_ago)
+        .execute(self.pool())
+        .await
+        .expect("insert an event");
+    }
+
     async fn bulk(&self, scope: &str, state: KeyState, n: i64, expires_in_ms: i64) {
         // Numbers 0..n from a cross join of digits: no recursion limits on MySQL or MariaDB.
         sqlx::query(
@@ -126,6 +170,52 @@ impl Bulk for MySqlStore {
 }
 
 const PAST: i64 = -60_000;
+
+/// The purge deletes a purged key's history with it, and the history of a key without a row
+/// once its newest event is older than seven days; it keeps younger orphaned histories (a
+/// released key, which a later reservation continues) and the histories of kept keys.
+async fn purge_takes_histories_with_their_keys_and_old_orphans<S: Bulk>(store: S) {
+    let trial = unique("history");
+    let scope = |name: &str| format!("{trial}-{name}");
+    store
+        .bulk(&scope("done"), KeyState::Completed, 3, PAST)
+        .await;
+    store
+        .bulk(&scope("live"), KeyState::Completed, 3, FUTURE)
+        .await;
+    store.old_event(&scope("done"), "k1", 0).await;
+    store.old_event(&scope("live"), "k1", 8).await;
+    store.old_event(&scope("orphan-old"), "k1", 8).await;
+    store.old_event(&scope("orphan-old"), "k1", 9).await;
+    store.old_event(&scope("orphan-new"), "k1", 8).await;
+    store.old_event(&scope("orphan-new"), "k1", 0).await;
+    let events = |name: &str| {
+        let (store, key) = (store.clone(), key_of(&scope(name)));
+        async move { store.history(&key, 100).await.unwrap().len() }
+    };
+    assert_eq!(events("done").await, 1, "{}", S::NAME);
+    assert_eq!(events("orphan-old").await, 2, "{}", S::NAME);
+    let report = Purge::new(store.clone())
+        .with_batch(100)
+        .run(|_| {})
+        .await
+        .unwrap();
+    assert!(report.deleted >= 3, "{}: {report:?}", S::NAME);
+    assert_eq!(
+        events("done").await,
+        0,
+        "{}: the purged key's history",
+        S::NAME
+    );
+    assert_eq!(events("orphan-old").await, 0, "{}: an old orphan", S::NAME);
+    assert_eq!(events("orphan-new").await, 2, "{}: a young orphan", S::NAME);
+    assert_eq!(events("live").await, 1, "{}: a kept key's history", S::NAME);
+}
+
+/// The key `scope/bulk/k1`.
+fn key_of(scope: &str) -> idempotency::IdempotencyKey {
+    idempotency::IdempotencyKey::new(scope, "bulk", "k1").unwrap()
+}
 const FUTURE: i64 = 3_600_000;
 
 async fn purge_removes_only_expired_keys_in_batches<S: Bulk>(store: S) {

@@ -1,8 +1,51 @@
 //! The statements of the operator side: recovery of abandoned keys, retention purge, listing,
 
+use super::history::{KeyEvent, OperatorNote};
 use super::{KeyRecord, KeyState, LeaseToken, Store};
 use crate::{error::StoreError, IdempotencyKey};
+use chrono::{DateTime, Utc};
 use std::{future::Future, time::Duration};
+
+/// Where a page of [`Maintenance::list`] ended: the `(created_at, scope, operation, key)` of its
+/// last row. A filter [`with_after`](KeyFilter::with_after) a cursor lists the rows that follow
+/// it in the list's order (keyset paging), so rows inserted meanwhile never shift a page.
+///
+/// ```
+/// use idempotency::{maintenance::{KeyCursor, KeyFilter}, IdempotencyKey};
+/// let last = IdempotencyKey::new("user-1", "purchase", "k-9")?;
+/// let cursor = KeyCursor::new(chrono::DateTime::UNIX_EPOCH, last);
+/// let next_page = KeyFilter::default().with_limit(50).with_after(cursor.clone());
+/// assert_eq!(next_page.after(), Some(&cursor));
+/// assert_eq!(cursor.key().key(), "k-9");
+/// # Ok::<(), idempotency::key::InvalidKey>(())
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyCursor {
+    created_at: DateTime<Utc>,
+    key: IdempotencyKey,
+}
+
+impl KeyCursor {
+    /// The position of the row of `key` created at `created_at` (as the store returned it).
+    pub fn new(created_at: DateTime<Utc>, key: IdempotencyKey) -> Self {
+        Self { created_at, key }
+    }
+
+    /// The position of `record`: pass the last row of a page to get the next one.
+    pub fn of(record: &KeyRecord) -> Self {
+        Self::new(record.created_at, record.key.clone())
+    }
+
+    /// When the row was created (the first part of the list's order).
+    pub fn created_at(&self) -> DateTime<Utc> {
+        self.created_at
+    }
+
+    /// The row's key (the rest of the list's order: scope, operation, key).
+    pub fn key(&self) -> &IdempotencyKey {
+        &self.key
+    }
+}
 
 /// Which rows [`Maintenance::list`] returns. All conditions are combined with AND; `None` means
 /// "any".
@@ -28,6 +71,8 @@ pub struct KeyFilter {
     pub(crate) older_than: Option<Duration>,
     /// At most this many rows (oldest `created_at` first).
     pub(crate) limit: u32,
+    /// Only rows after this one in the list's order.
+    pub(crate) after: Option<KeyCursor>,
 }
 
 impl KeyFilter {
@@ -54,6 +99,18 @@ impl KeyFilter {
     /// At most this many rows, oldest `created_at` first (default 100).
     pub fn limit(&self) -> u32 {
         self.limit
+    }
+
+    /// Only rows after this position in the list's order (keyset paging).
+    pub fn after(&self) -> Option<&KeyCursor> {
+        self.after.as_ref()
+    }
+
+    /// Keeps only rows after `cursor` in the list's order `(created_at, scope, operation, key)`:
+    /// the next page after a page whose last row was `cursor`.
+    pub fn with_after(mut self, cursor: KeyCursor) -> Self {
+        self.after = Some(cursor);
+        self
     }
 
     /// Keeps only rows in `state`.
@@ -95,6 +152,7 @@ impl Default for KeyFilter {
             operation: None,
             older_than: None,
             limit: 100,
+            after: None,
         }
     }
 }
@@ -199,9 +257,18 @@ impl KeyStats {
 /// * every time comparison and every written time uses the database clock;
 /// * every changing method is **one** conditional statement, committed on its own (autocommit),
 ///   whose condition is re-checked by the database at write time, and it reports through its
-///   return value whether it acted; losing a race is `Ok(false)` / `Ok(0)`, never an error;
+///   return value whether it acted; losing a race is `Ok(false)` / `Ok(0)`, never an error.
+///   Where the change writes an event into the key's history ([`resolve`](Self::resolve),
+///   [`hand_back`](Self::hand_back), [`complete_recovered`](Self::complete_recovered), and
+///   [`Store::claim_for_recovery`] of an external or durable key), the row and its event are
+///   written together: in the same statement (a data-modifying CTE on PostgreSQL) or in one short
+///   transaction of their own that commits only if the conditional change acted, never one
+///   without the other;
 /// * a purge never deletes `pending` or `needs_review` rows, and deletes at most `batch` rows per
-///   statement, skipping rows another session holds locked where the database allows it.
+///   call, skipping rows another session holds locked where the database allows it; the
+///   histories of the rows it deletes go with them (same statement or transaction), and the
+///   last batch of a purge (fewer than `batch` rows) also deletes the histories without a key
+///   row whose newest event is older than 7 days.
 ///
 /// ```no_run
 /// # #[cfg(feature = "postgres")]
@@ -257,31 +324,59 @@ pub trait Maintenance: Store {
     ) -> impl Future<Output = Result<bool, StoreError>> + Send;
 
     /// Deletes at most `batch` rows with `state IN ('completed', 'failed') AND expires_at <=
-    /// now()`, in no promised order, in one statement (skipping rows locked by other sessions where
-    /// the database can), and returns how many it deleted. Never touches `pending` or
-    /// `needs_review` rows. Call it until it returns 0 to purge everything.
+    /// now()`, in no promised order, in one statement or short transaction (skipping rows locked
+    /// by other sessions where the database can), with their histories, and returns how many
+    /// rows it deleted. Never touches `pending` or `needs_review` rows. A batch of fewer than
+    /// `batch` rows also deletes orphaned histories (no key row, newest event older than 7
+    /// days). Call it until it returns 0 to purge everything.
     fn purge_batch(&self, batch: u32) -> impl Future<Output = Result<u64, StoreError>> + Send;
 
     /// How many rows a purge would delete now (same condition as [`purge_batch`](Self::purge_batch)).
     fn count_purgeable(&self) -> impl Future<Output = Result<u64, StoreError>> + Send;
 
-    /// Rows matching `filter`, oldest `created_at` first (then by key), at most `filter.limit`.
+    /// Rows matching `filter`, oldest `created_at` first (then by scope, operation and key), at
+    /// most `filter.limit`; with [`KeyFilter::after`], only the rows after that position in this
+    /// order (`(created_at, scope, operation, key) > cursor`).
     fn list(
         &self,
         filter: &KeyFilter,
     ) -> impl Future<Output = Result<Vec<KeyRecord>, StoreError>> + Send;
 
     /// Resolves a parked key: moves it from `needs_review` to `completed` (with the result bytes)
-    /// or `failed` (result cleared), records `reason`, sets `expires_at = now() + retention`, only
-    /// where it is still `needs_review`. Returns whether it did. Callers validate `reason`
-    /// (see [`crate::recovery::resolve`]).
+    /// or `failed` (result cleared), records the note's reason on the row, sets `expires_at =
+    /// now() + retention`, only where it is still `needs_review` and, when `note.seen` is set,
+    /// only where its `updated_at` still equals `seen` at millisecond precision. Appends a
+    /// `resolved` event (actor: the operator; detail: the resolution, reason and evidence) with
+    /// the change. Returns whether it did. Callers validate the note (see
+    /// [`crate::maintenance::resolve`]).
     fn resolve(
         &self,
         key: &IdempotencyKey,
         resolution: &Resolution,
-        reason: &str,
+        note: &OperatorNote,
         retention: Duration,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// Hands a parked key back to the resumer, so it asks the provider again: only where it is
+    /// `needs_review` (and, when `note.seen` is set, its `updated_at` still equals `seen` at
+    /// millisecond precision), moves it to `pending` with its lease ended (`lease_until =
+    /// now()`), `recovery_attempts = 0` and the note's reason, and appends a `handed_back` event
+    /// (actor: the operator; detail: reason and evidence) with the change. The lease token is
+    /// kept: the recovery job claims the key from it. Returns whether it did. Callers validate
+    /// the note (see [`crate::maintenance::hand_back`]).
+    fn hand_back(
+        &self,
+        key: &IdempotencyKey,
+        note: &OperatorNote,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// The history of `key`, oldest first: its newest `limit` events (a released key keeps its
+    /// history, and a later reservation continues it). Reads only.
+    fn history(
+        &self,
+        key: &IdempotencyKey,
+        limit: u32,
+    ) -> impl Future<Output = Result<Vec<KeyEvent>, StoreError>> + Send;
 
     /// Row counts by operation and state, the age of the oldest pending row, the number of
     /// expired leases and of purgeable rows, all by the database clock.

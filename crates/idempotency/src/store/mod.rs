@@ -4,6 +4,7 @@
 //! that changes a row is *conditional*: it names the lease token it expects, so a stale worker, a
 //! recovery job and a retry can never both act on one key.
 
+pub(crate) mod history;
 pub(crate) mod maintenance;
 #[cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql"))]
 mod migration;
@@ -323,6 +324,12 @@ pub struct PendingRow<'a> {
 }
 
 impl PendingRow<'_> {
+    /// Whether the key records a history ([`Maintenance::history`]): external or journaled
+    /// work. A plain local key records nothing, so its reservation costs what it did.
+    pub fn records_history(&self) -> bool {
+        self.effects == Effects::External || self.journaled
+    }
+
     /// The lease length in whole milliseconds, as bound into SQL.
     pub fn lease_millis(&self) -> i64 {
         millis(self.lease)
@@ -416,7 +423,13 @@ pub enum ReservedIn {
 ///
 /// Implementations must make [`insert_pending`](Store::insert_pending) a single INSERT against the
 /// unique `(scope, operation, key)` constraint, committed on its own, whatever the isolation level
-/// of the server; and every update conditional on the lease token. See
+/// of the server; and every update conditional on the lease token. A key that records a history
+/// ([`PendingRow::records_history`]: external or durable work) writes its events with the change
+/// they record: a reservation's `reserved` event, a claim's `claimed` event (where the key is
+/// external or its history has begun), and the events of [`release_recorded`](Store::release_recorded),
+/// [`park_recorded`](Store::park_recorded) and [`append_event`](Store::append_event), each in the
+/// same statement or in one short transaction that commits only if the change acted. A plain
+/// local key's statements stay single autocommit statements, with no event. See
 /// `PgStore`, `SqliteStore` and `MySqlStore`,
 /// and the guide `docs/implementing-a-store.md` in the repository (the rules every method
 /// follows, and the conformance suite that proves a new store: `idempotency::store::testing`, feature
@@ -528,6 +541,45 @@ pub trait Store: Clone + Send + Sync + 'static {
         fresh: LeaseToken,
         lease: Duration,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// Inside `tx` (a step's or a completion's transaction, or one of its own): appends an event
+    /// of `kind` with `detail` to the history of `key`, with this store's worker name as actor,
+    /// so it commits or rolls back with the change it records. Called only for keys that record
+    /// a history (external or durable work; plain local keys record nothing). The default
+    /// records nothing: a store without a history table keeps working.
+    fn append_event(
+        &self,
+        tx: &mut sqlx::Transaction<'static, Self::Database>,
+        key: &IdempotencyKey,
+        kind: history::EventKind,
+        detail: Option<&str>,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        let _ = (tx, key, kind, detail);
+        std::future::ready(Ok(()))
+    }
+
+    /// [`release`](Self::release), with a `released` event in the key's history written in the
+    /// same statement or transaction. Called instead of `release` for keys that record a history;
+    /// the default releases without one.
+    fn release_recorded(
+        &self,
+        key: &IdempotencyKey,
+        token: LeaseToken,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send {
+        self.release(key, token)
+    }
+
+    /// [`park`](Self::park), with a `parked` event (detail: `reason`) in the key's history written
+    /// in the same statement or transaction. Called instead of `park` for keys that record a
+    /// history; the default parks without one.
+    fn park_recorded(
+        &self,
+        key: &IdempotencyKey,
+        token: LeaseToken,
+        reason: &str,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send {
+        self.park(key, token, reason)
+    }
 }
 
 /// Capability of durable operations ([`Steps`](crate::durable::Steps)) and of the recovery job

@@ -1,5 +1,6 @@
 //! MySQL / MariaDB store (feature `mysql`), on InnoDB.
 
+use super::history::{self, EventKind, KeyEvent, NewEvent, OperatorNote};
 use super::migration::{self, Bookkeeping, Migration};
 use super::row::{uuid, KeyRow};
 use super::{millis, Insertion, KeyRecord, LeaseToken, PendingRow, ReservedIn, Store};
@@ -24,6 +25,11 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         version: 2,
         description: "durable steps: recovery point, request, progress",
         sql: include_str!("../../migrations/mysql/0002_durable_steps.sql"),
+    },
+    Migration {
+        version: 3,
+        description: "key history: idempotency_key_events",
+        sql: include_str!("../../migrations/mysql/0003_key_events.sql"),
     },
 ];
 
@@ -137,6 +143,8 @@ pub struct MySqlStore {
     /// The server's flavour, learnt from `VERSION()` by the first single-transaction
     /// reservation.
     flavor: Arc<OnceLock<Flavor>>,
+    /// Who this store is in the keys' histories ([`with_worker_name`](Self::with_worker_name)).
+    actor: Arc<str>,
 }
 
 /// How one statement's lock wait is bounded: MariaDB's `SET STATEMENT … FOR`, or MySQL's
@@ -170,7 +178,21 @@ impl MySqlStore {
         Self {
             pool,
             flavor: Arc::default(),
+            actor: history::default_actor(),
         }
+    }
+
+    /// Names this process in the keys' histories (the actor of the events it writes: reserved,
+    /// steps, calls, claims, completions); default `host:pid`.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), idempotency::StoreError> {
+    /// let store = idempotency::MySqlStore::connect("mysql://localhost/shop").await?.with_worker_name("web-1");
+    /// # Ok(()) }
+    /// ```
+    pub fn with_worker_name(mut self, name: &str) -> Self {
+        self.actor = history::worker_actor(name);
+        self
     }
 
     /// The server's flavour, asked on `tx` the first time.
@@ -372,7 +394,14 @@ impl Store for MySqlStore {
             return Ok(Insertion::Conflict(existing));
         }
         for _ in 0..INSERT_ATTEMPTS {
-            match self.try_insert(row).await {
+            let inserted = if row.records_history() {
+                let insert = || bind_pending(sqlx::query(INSERT), row);
+                let event = (EventKind::Reserved, None, true);
+                self.recorded_once(row.key, event, insert()).await.map(drop)
+            } else {
+                self.try_insert(row).await
+            };
+            match inserted {
                 Ok(()) => return Ok(Insertion::Inserted),
                 Err(e) if error_number(&e) == Some(ER_DUP_ENTRY) => {
                     return super::read_conflict(self, row.key).await
@@ -421,7 +450,7 @@ impl Store for MySqlStore {
     }
 
     async fn take_over(&self, row: &PendingRow<'_>, stale: LeaseToken) -> Result<bool, StoreError> {
-        let done = sqlx::query(TAKE_OVER)
+        let take_over = sqlx::query(TAKE_OVER)
             .bind(row.effects.as_str())
             .bind(row.fingerprint.as_bytes().as_slice())
             .bind(row.token.0.as_bytes().as_slice())
@@ -430,11 +459,18 @@ impl Store for MySqlStore {
             .bind(row.key.scope().as_bytes())
             .bind(row.key.operation().as_bytes())
             .bind(row.key.key().as_bytes())
-            .bind(stale.0.as_bytes().as_slice())
-            .execute(&self.pool)
-            .await;
+            .bind(stale.0.as_bytes().as_slice());
+        let done = if row.records_history() {
+            let event = (EventKind::Reserved, None, true);
+            self.recorded_once(row.key, event, take_over).await
+        } else {
+            take_over
+                .execute(&self.pool)
+                .await
+                .map(|done| done.rows_affected())
+        };
         match done {
-            Ok(done) => Ok(done.rows_affected() == 1),
+            Ok(done) => Ok(done == 1),
             // Rolled back by InnoDB; someone else is changing the row: the caller reads it again.
             Err(e) if lost_race(&e) => Ok(false),
             Err(e) => Err(e.into()),
@@ -500,6 +536,53 @@ impl Store for MySqlStore {
         Ok(parked == 1)
     }
 
+    async fn release_recorded(
+        &self,
+        key: &IdempotencyKey,
+        token: LeaseToken,
+    ) -> Result<bool, StoreError> {
+        let release = || {
+            sqlx::query(RELEASE)
+                .bind(key.scope().as_bytes())
+                .bind(key.operation().as_bytes())
+                .bind(key.key().as_bytes())
+                .bind(token.0.as_bytes().as_slice())
+        };
+        let event = (EventKind::Released, None, true);
+        Ok(self.recorded(key, event, release).await? == 1)
+    }
+
+    async fn park_recorded(
+        &self,
+        key: &IdempotencyKey,
+        token: LeaseToken,
+        reason: &str,
+    ) -> Result<bool, StoreError> {
+        let park = || {
+            sqlx::query(PARK)
+                .bind(reason)
+                .bind(key.scope().as_bytes())
+                .bind(key.operation().as_bytes())
+                .bind(key.key().as_bytes())
+                .bind(token.0.as_bytes().as_slice())
+        };
+        let detail = Some(history::bounded(reason, history::DETAIL_MAX_BYTES));
+        let event = (EventKind::Parked, detail, true);
+        Ok(self.recorded(key, event, park).await? == 1)
+    }
+
+    async fn append_event(
+        &self,
+        tx: &mut Transaction<'static, MySql>,
+        key: &IdempotencyKey,
+        kind: EventKind,
+        detail: Option<&str>,
+    ) -> Result<(), StoreError> {
+        let detail = detail.map(|d| history::bounded(d, history::DETAIL_MAX_BYTES));
+        append(tx, key, kind, detail, &self.actor, true).await?;
+        Ok(())
+    }
+
     async fn extend_lease(
         &self,
         key: &IdempotencyKey,
@@ -530,7 +613,8 @@ impl Store for MySqlStore {
         fresh: LeaseToken,
         lease: Duration,
     ) -> Result<bool, StoreError> {
-        self.conditional(|| {
+        let event = (EventKind::Claimed, None, false);
+        self.conditional_recorded(key, event, || {
             sqlx::query(
                 "UPDATE idempotency_keys SET
                     lease_token = ?, lease_until = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND,
@@ -650,6 +734,7 @@ const LIST: &str = concat!(
         AND (? IS NULL OR k.scope = ?)
         AND (? IS NULL OR k.operation = ?)
         AND (? IS NULL OR k.created_at <= UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND)
+        AND (? IS NULL OR (k.created_at, k.scope, k.operation, k.idem_key) > (?, ?, ?, ?))
       ORDER BY k.created_at, k.scope, k.operation, k.idem_key LIMIT ?"
 );
 
@@ -676,6 +761,215 @@ impl MySqlStore {
     }
 }
 
+/// The fence of an operator action on the row it saw (two parameters, both `seen` in
+/// milliseconds since the epoch): none, or the row's `updated_at` equals it at millisecond
+/// precision (truncated, as the other backends compare).
+macro_rules! seen_matches {
+    () => {
+        "(? IS NULL OR TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', updated_at) DIV 1000 = ?)"
+    };
+}
+
+impl MySqlStore {
+    /// One attempt of [`purge_batch`](super::Maintenance::purge_batch).
+    async fn try_purge_batch(&self, batch: u32) -> Result<u64, sqlx::Error> {
+        let mut tx = self.pool.begin().await?;
+        let chosen: Vec<(Vec<u8>, Vec<u8>, Vec<u8>)> = sqlx::query_as(concat!(
+            "SELECT scope, operation, idem_key FROM idempotency_keys WHERE ",
+            purgeable!(),
+            " ORDER BY expires_at LIMIT ? FOR UPDATE"
+        ))
+        .bind(i64::from(batch))
+        .fetch_all(&mut *tx)
+        .await?;
+        let mut deleted = 0;
+        for (scope, operation, idem_key) in &chosen {
+            sqlx::query(
+                "DELETE FROM idempotency_key_events
+                  WHERE scope = ? AND operation = ? AND idem_key = ?",
+            )
+            .bind(scope)
+            .bind(operation)
+            .bind(idem_key)
+            .execute(&mut *tx)
+            .await?;
+            deleted += sqlx::query(concat!(
+                "DELETE FROM idempotency_keys
+                  WHERE scope = ? AND operation = ? AND idem_key = ? AND ",
+                purgeable!()
+            ))
+            .bind(scope)
+            .bind(operation)
+            .bind(idem_key)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+        }
+        if chosen.len() < batch as usize {
+            // The last batch of this purge: sweep the orphaned histories too (through a derived
+            // table: MySQL cannot read the table a DELETE deletes from in its subquery).
+            sqlx::query(concat!(
+                "DELETE FROM idempotency_key_events WHERE id IN (SELECT id FROM (",
+                history::orphaned_events!("UTC_TIMESTAMP(3) - INTERVAL ? MICROSECOND", "?"),
+                ") AS orphans)"
+            ))
+            .bind(micros(history::ORPHAN_RETENTION))
+            .bind(i64::from(batch))
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(deleted)
+    }
+}
+
+/// An event for [`MySqlStore::recorded`]: its kind, detail, and whether it is recorded whatever
+/// the key (else only where the key is external or its history has begun).
+type Recorded<'d> = (EventKind, Option<&'d str>, bool);
+
+impl MySqlStore {
+    /// Runs a conditional update and, only if it changed the row, appends `event` to the key's
+    /// history, both in one transaction: the history never disagrees with the row. Run again
+    /// whole when InnoDB chose it as a deadlock victim; losing a race is `Ok(false)`.
+    async fn logged_change<'q>(
+        &self,
+        key: &IdempotencyKey,
+        event: &NewEvent<'_>,
+        update: impl Fn() -> sqlx::query::Query<'q, MySql, sqlx::mysql::MySqlArguments>,
+    ) -> Result<bool, StoreError> {
+        let actor = event.actor.unwrap_or(&self.actor);
+        let detail = event.detail.as_deref();
+        let mut attempt = 1;
+        loop {
+            let mut tx = self.pool.begin().await?;
+            let done = match update().execute(&mut *tx).await {
+                Ok(done) if done.rows_affected() != 1 => Ok(false),
+                Ok(_) => append(&mut tx, key, event.kind, detail, actor, true)
+                    .await
+                    .map(|()| true),
+                Err(e) => Err(e),
+            };
+            let done = match done {
+                Ok(true) => tx.commit().await.map(|()| true),
+                other => other,
+            };
+            match done {
+                Ok(changed) => return Ok(changed),
+                Err(e)
+                    if attempt < WRITE_ATTEMPTS && error_number(&e) == Some(ER_LOCK_DEADLOCK) =>
+                {
+                    attempt += 1;
+                }
+                Err(e) if lost_race(&e) => return Ok(false),
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    /// Runs `change` and, if it changed a row, appends `event` (actor: this store) to the key's
+    /// history, in one transaction: the history never disagrees with the row. Returns the rows
+    /// changed; the database's error as it is (a duplicate, a deadlock), nothing committed.
+    async fn recorded_once(
+        &self,
+        key: &IdempotencyKey,
+        (kind, detail, always): Recorded<'_>,
+        change: sqlx::query::Query<'_, MySql, sqlx::mysql::MySqlArguments>,
+    ) -> Result<u64, sqlx::Error> {
+        let mut tx = self.pool.begin().await?;
+        let changed = change.execute(&mut *tx).await?.rows_affected();
+        if changed == 0 {
+            tx.rollback().await?;
+            return Ok(0);
+        }
+        append(&mut tx, key, kind, detail, &self.actor, always).await?;
+        tx.commit().await?;
+        Ok(changed)
+    }
+
+    /// [`recorded_once`](Self::recorded_once), run again whole when InnoDB chose it as a
+    /// deadlock victim.
+    async fn recorded<'q>(
+        &self,
+        key: &IdempotencyKey,
+        event: Recorded<'_>,
+        change: impl Fn() -> sqlx::query::Query<'q, MySql, sqlx::mysql::MySqlArguments>,
+    ) -> Result<u64, StoreError> {
+        let mut attempt = 1;
+        loop {
+            match self.recorded_once(key, event, change()).await {
+                Ok(done) => return Ok(done),
+                Err(e)
+                    if attempt < WRITE_ATTEMPTS && error_number(&e) == Some(ER_LOCK_DEADLOCK) =>
+                {
+                    attempt += 1;
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    /// [`recorded`](Self::recorded) for a conditional statement: losing a race inside InnoDB is
+    /// `Ok(false)`.
+    async fn conditional_recorded<'q>(
+        &self,
+        key: &IdempotencyKey,
+        event: Recorded<'_>,
+        change: impl Fn() -> sqlx::query::Query<'q, MySql, sqlx::mysql::MySqlArguments>,
+    ) -> Result<bool, StoreError> {
+        match self.recorded(key, event, change).await {
+            Ok(done) => Ok(done == 1),
+            Err(StoreError::Database(e)) if lost_race(&e) => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+/// Appends an event to the history of `key` inside `tx`, at the server's clock, after the change
+/// it records: `always`, or only where the key (as changed) is external or its history has
+/// begun.
+async fn append(
+    tx: &mut Transaction<'_, MySql>,
+    key: &IdempotencyKey,
+    kind: EventKind,
+    detail: Option<&str>,
+    actor: &str,
+    always: bool,
+) -> Result<(), sqlx::Error> {
+    let statement = if always {
+        "INSERT INTO idempotency_key_events (scope, operation, idem_key, at, kind, detail, actor)
+         VALUES (?, ?, ?, UTC_TIMESTAMP(3), ?, ?, ?)"
+    } else {
+        "INSERT INTO idempotency_key_events (scope, operation, idem_key, at, kind, detail, actor)
+         SELECT k.scope, k.operation, k.idem_key, UTC_TIMESTAMP(3), ?, ?, ?
+           FROM idempotency_keys k
+          WHERE k.scope = ? AND k.operation = ? AND k.idem_key = ?
+            AND (k.effects = 'external'
+                 OR EXISTS (SELECT 1 FROM idempotency_key_events e
+                             WHERE e.scope = k.scope AND e.operation = k.operation
+                               AND e.idem_key = k.idem_key))"
+    };
+    let query = sqlx::query(statement);
+    let query = if always {
+        query
+            .bind(key.scope().as_bytes())
+            .bind(key.operation().as_bytes())
+            .bind(key.key().as_bytes())
+            .bind(kind.as_str())
+            .bind(detail)
+            .bind(actor)
+    } else {
+        query
+            .bind(kind.as_str())
+            .bind(detail)
+            .bind(actor)
+            .bind(key.scope().as_bytes())
+            .bind(key.operation().as_bytes())
+            .bind(key.key().as_bytes())
+    };
+    query.execute(&mut **tx).await?;
+    Ok(())
+}
+
 impl super::Maintenance for MySqlStore {
     async fn expired_leases(&self, limit: u32) -> Result<Vec<KeyRecord>, StoreError> {
         sqlx::query(EXPIRED_LEASES)
@@ -695,7 +989,9 @@ impl super::Maintenance for MySqlStore {
         reason: &str,
         retention: Duration,
     ) -> Result<bool, StoreError> {
-        self.conditional(|| {
+        let detail = Some(history::bounded(reason, history::DETAIL_MAX_BYTES));
+        let event = (EventKind::Completed, detail, false);
+        self.conditional_recorded(key, event, || {
             sqlx::query(
                 "UPDATE idempotency_keys SET
                     state = 'completed', result = ?, reason = ?, updated_at = UTC_TIMESTAMP(6),
@@ -715,23 +1011,21 @@ impl super::Maintenance for MySqlStore {
     }
 
     async fn purge_batch(&self, batch: u32) -> Result<u64, StoreError> {
-        // One bounded statement walking the expires_at index. MySQL cannot SKIP LOCKED in a
-        // DELETE (only in SELECT … FOR UPDATE): a row another session holds is waited for, and a
-        // deadlock victim is retried; the condition is re-checked on the latest row version.
-        let done = self
-            .write_retrying(|| {
-                sqlx::query(concat!(
-                    "DELETE FROM idempotency_keys WHERE ",
-                    purgeable!(),
-                    " ORDER BY expires_at LIMIT ?"
-                ))
-                .bind(i64::from(batch))
-            })
-            .await;
-        match done {
-            Ok(deleted) => Ok(deleted),
-            Err(StoreError::Database(e)) if lost_race(&e) => Ok(0),
-            Err(e) => Err(e),
+        // One bounded transaction walking the expires_at index: the chosen rows are locked, then
+        // their histories and the rows go together. MySQL cannot LIMIT a DELETE joined to
+        // another table, hence the two steps. A deadlock victim is retried whole.
+        let mut attempt = 1;
+        loop {
+            match self.try_purge_batch(batch).await {
+                Ok(deleted) => return Ok(deleted),
+                Err(e)
+                    if attempt < WRITE_ATTEMPTS && error_number(&e) == Some(ER_LOCK_DEADLOCK) =>
+                {
+                    attempt += 1;
+                }
+                Err(e) if lost_race(&e) => return Ok(0),
+                Err(e) => return Err(e.into()),
+            }
         }
     }
 
@@ -750,6 +1044,8 @@ impl super::Maintenance for MySqlStore {
         let scope = filter.scope.as_deref().map(str::as_bytes);
         let operation = filter.operation.as_deref().map(str::as_bytes);
         let older_than = filter.older_than.map(micros);
+        let after = filter.after.as_ref();
+        let after_time = after.map(|c| c.created_at().naive_utc());
         sqlx::query(LIST)
             .bind(state)
             .bind(state)
@@ -759,6 +1055,11 @@ impl super::Maintenance for MySqlStore {
             .bind(operation)
             .bind(older_than)
             .bind(older_than)
+            .bind(after_time)
+            .bind(after_time)
+            .bind(after.map(|c| c.key().scope().as_bytes()))
+            .bind(after.map(|c| c.key().operation().as_bytes()))
+            .bind(after.map(|c| c.key().key().as_bytes()))
             .bind(i64::from(filter.limit))
             .fetch_all(&self.pool)
             .await?
@@ -771,30 +1072,94 @@ impl super::Maintenance for MySqlStore {
         &self,
         key: &IdempotencyKey,
         resolution: &super::Resolution,
-        reason: &str,
+        note: &OperatorNote,
         retention: Duration,
     ) -> Result<bool, StoreError> {
         let result = match resolution {
             super::Resolution::Completed(bytes) => Some(bytes.as_slice()),
             super::Resolution::Failed => None,
         };
-        self.conditional(|| {
-            sqlx::query(
+        let state = resolution.state().as_str();
+        let event = NewEvent {
+            kind: EventKind::Resolved,
+            detail: Some(history::resolved_detail(state, note)),
+            actor: Some(note.actor()),
+        };
+        self.logged_change(key, &event, || {
+            sqlx::query(concat!(
                 "UPDATE idempotency_keys SET
                     state = ?, result = ?, reason = ?, updated_at = UTC_TIMESTAMP(6),
                     expires_at = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND
                  WHERE scope = ? AND operation = ? AND idem_key = ?
-                   AND state = 'needs_review'",
-            )
-            .bind(resolution.state().as_str())
+                   AND state = 'needs_review' AND ",
+                seen_matches!()
+            ))
+            .bind(state)
             .bind(result)
-            .bind(reason)
+            .bind(note.reason.as_str())
             .bind(micros(retention))
             .bind(key.scope().as_bytes())
             .bind(key.operation().as_bytes())
             .bind(key.key().as_bytes())
+            .bind(note.seen_millis())
+            .bind(note.seen_millis())
         })
         .await
+    }
+
+    async fn hand_back(
+        &self,
+        key: &IdempotencyKey,
+        note: &OperatorNote,
+    ) -> Result<bool, StoreError> {
+        let event = NewEvent {
+            kind: EventKind::HandedBack,
+            detail: Some(history::handed_back_detail(note)),
+            actor: Some(note.actor()),
+        };
+        self.logged_change(key, &event, || {
+            sqlx::query(concat!(
+                "UPDATE idempotency_keys SET
+                    state = 'pending', lease_until = UTC_TIMESTAMP(6), recovery_attempts = 0,
+                    reason = ?, updated_at = UTC_TIMESTAMP(6)
+                 WHERE scope = ? AND operation = ? AND idem_key = ?
+                   AND state = 'needs_review' AND ",
+                seen_matches!()
+            ))
+            .bind(note.reason.as_str())
+            .bind(key.scope().as_bytes())
+            .bind(key.operation().as_bytes())
+            .bind(key.key().as_bytes())
+            .bind(note.seen_millis())
+            .bind(note.seen_millis())
+        })
+        .await
+    }
+
+    async fn history(&self, key: &IdempotencyKey, limit: u32) -> Result<Vec<KeyEvent>, StoreError> {
+        sqlx::query(
+            "SELECT at, kind, detail, actor FROM (
+                SELECT id, at, kind, detail, actor FROM idempotency_key_events
+                 WHERE scope = ? AND operation = ? AND idem_key = ?
+                 ORDER BY id DESC LIMIT ?) newest
+             ORDER BY id",
+        )
+        .bind(key.scope().as_bytes())
+        .bind(key.operation().as_bytes())
+        .bind(key.key().as_bytes())
+        .bind(i64::from(limit))
+        .fetch_all(&self.pool)
+        .await?
+        .iter()
+        .map(|row| {
+            history::event(
+                row.try_get("at")?,
+                &text(row, "kind")?,
+                optional_text(row, "detail")?,
+                optional_text(row, "actor")?,
+            )
+        })
+        .collect()
     }
 
     async fn stats(&self) -> Result<super::KeyStats, StoreError> {
@@ -866,7 +1231,7 @@ mod tests {
         .fetch_all(&mut *conn)
         .await
         .unwrap();
-        assert_eq!(versions, vec![1, 2]);
+        assert_eq!(versions, vec![1, 2, 3]);
         // Without the tolerance, the duplicate fails the migration (what a second node saw).
         let strict = Bookkeeping {
             recorded_meanwhile: |_| false,

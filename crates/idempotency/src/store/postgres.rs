@@ -1,5 +1,6 @@
 //! PostgreSQL store (feature `postgres`).
 
+use super::history::{self, EventKind, KeyEvent, OperatorNote};
 use super::migration::{self, Bookkeeping, Migration};
 use super::row::KeyRow;
 use super::{millis, Insertion, KeyRecord, LeaseToken, PendingRow, ReservedIn, Store};
@@ -30,6 +31,11 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         version: 3,
         description: "durable steps: recovery point, request, progress",
         sql: include_str!("../../migrations/postgres/0003_durable_steps.sql"),
+    },
+    Migration {
+        version: 4,
+        description: "key history: idempotency_key_events",
+        sql: include_str!("../../migrations/postgres/0004_key_events.sql"),
     },
 ];
 
@@ -169,6 +175,8 @@ pub struct PgStore {
     /// Waiters for completions, and the one listener connection that wakes them (started by the
     /// first [`CompletionSignal::wait_for_completion`](super::CompletionSignal::wait_for_completion)); shared by the clones of this store.
     completions: Arc<Completions>,
+    /// Who this store is in the keys' histories ([`with_worker_name`](Self::with_worker_name)).
+    actor: Arc<str>,
 }
 
 impl PgStore {
@@ -178,7 +186,21 @@ impl PgStore {
             pool,
             pooler: Arc::default(),
             completions: Arc::default(),
+            actor: history::default_actor(),
         }
+    }
+
+    /// Names this process in the keys' histories (the actor of the events it writes: reserved,
+    /// steps, calls, claims, completions); default `host:pid`.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), idempotency::StoreError> {
+    /// let store = idempotency::PgStore::connect("postgres://localhost/shop").await?.with_worker_name("web-1");
+    /// # Ok(()) }
+    /// ```
+    pub fn with_worker_name(mut self, name: &str) -> Self {
+        self.actor = history::worker_actor(name);
+        self
     }
 
     /// Connects a new pool, without sqlx's ping on every checkout
@@ -364,9 +386,12 @@ impl Store for PgStore {
     }
 
     async fn insert_pending(&self, row: &PendingRow<'_>) -> Result<Insertion, StoreError> {
-        let answer = self
-            .row(bind_pending(sqlx::query(RESERVE), row).bind(reservation_durability(row)))
-            .await;
+        let reserve = bind_pending(sqlx::query(RESERVE), row).bind(reservation_durability(row));
+        let answer = if row.records_history() {
+            self.reserve_recorded(row.key, reserve).await
+        } else {
+            self.row(reserve).await
+        };
         let answer = match answer {
             Ok(answer) => answer,
             Err(e) if lost_race(&e) => return super::read_conflict(self, row.key).await,
@@ -434,9 +459,15 @@ impl Store for PgStore {
                     OR (state = 'completed' AND expires_at <= now())
                     OR (state = 'pending' AND effects = 'local' AND lease_until <= now()))",
         );
-        let done = self.exec(bind_pending(take_over, row).bind(stale.0)).await;
+        let take_over = bind_pending(take_over, row).bind(stale.0);
+        let done = if row.records_history() {
+            self.recorded(row.key, EventKind::Reserved, None, true, take_over)
+                .await
+        } else {
+            self.exec(take_over).await.map(|done| done.rows_affected())
+        };
         match done {
-            Ok(done) => Ok(done.rows_affected() == 1),
+            Ok(done) => Ok(done == 1),
             // Someone else changed the row first; the caller reads it again.
             Err(e) if lost_race(&e) => Ok(false),
             Err(e) => Err(e.into()),
@@ -476,19 +507,7 @@ impl Store for PgStore {
     }
 
     async fn release(&self, key: &IdempotencyKey, token: LeaseToken) -> Result<bool, StoreError> {
-        let done = self
-            .exec(
-                sqlx::query(
-                    "DELETE FROM idempotency_keys
-             WHERE scope = $1 AND operation = $2 AND idem_key = $3
-               AND state = 'pending' AND lease_token = $4",
-                )
-                .bind(key.scope())
-                .bind(key.operation())
-                .bind(key.key())
-                .bind(token.0),
-            )
-            .await?;
+        let done = self.exec(release_statement(key, token)).await?;
         Ok(done.rows_affected() == 1)
     }
 
@@ -498,18 +517,43 @@ impl Store for PgStore {
         token: LeaseToken,
         reason: &str,
     ) -> Result<bool, StoreError> {
-        let done = self.exec(sqlx::query(
-            "UPDATE idempotency_keys SET state = 'needs_review', reason = $5, updated_at = now()
-             WHERE scope = $1 AND operation = $2 AND idem_key = $3
-               AND state = 'pending' AND lease_token = $4",
-        )
-        .bind(key.scope())
-        .bind(key.operation())
-        .bind(key.key())
-        .bind(token.0)
-        .bind(reason))
-        .await?;
+        let done = self.exec(park_statement(key, token, reason)).await?;
         Ok(done.rows_affected() == 1)
+    }
+
+    async fn release_recorded(
+        &self,
+        key: &IdempotencyKey,
+        token: LeaseToken,
+    ) -> Result<bool, StoreError> {
+        let statement = release_statement(key, token);
+        let done = self.recorded(key, EventKind::Released, None, true, statement);
+        Ok(done.await? == 1)
+    }
+
+    async fn park_recorded(
+        &self,
+        key: &IdempotencyKey,
+        token: LeaseToken,
+        reason: &str,
+    ) -> Result<bool, StoreError> {
+        let statement = park_statement(key, token, reason);
+        let detail = Some(history::bounded(reason, history::DETAIL_MAX_BYTES));
+        let done = self.recorded(key, EventKind::Parked, detail, true, statement);
+        Ok(done.await? == 1)
+    }
+
+    async fn append_event(
+        &self,
+        tx: &mut Transaction<'static, Postgres>,
+        key: &IdempotencyKey,
+        kind: EventKind,
+        detail: Option<&str>,
+    ) -> Result<(), StoreError> {
+        let detail = detail.map(|d| history::bounded(d, history::DETAIL_MAX_BYTES));
+        let named = self.named().await?;
+        append(tx, key, kind, detail, &self.actor, true, named).await?;
+        Ok(())
     }
 
     async fn extend_lease(
@@ -539,22 +583,28 @@ impl Store for PgStore {
         fresh: LeaseToken,
         lease: Duration,
     ) -> Result<bool, StoreError> {
-        self.conditional(
-            sqlx::query(
-                "UPDATE idempotency_keys SET
-                    lease_token = $5, lease_until = now() + $6 * INTERVAL '1 millisecond',
-                    updated_at = now()
-                 WHERE scope = $1 AND operation = $2 AND idem_key = $3
-                   AND state = 'pending' AND lease_token = $4 AND lease_until <= now()",
-            )
-            .bind(key.scope())
-            .bind(key.operation())
-            .bind(key.key())
-            .bind(stale.0)
-            .bind(fresh.0)
-            .bind(millis(lease)),
+        let claim = sqlx::query(
+            "UPDATE idempotency_keys SET
+                lease_token = $5, lease_until = now() + $6 * INTERVAL '1 millisecond',
+                updated_at = now()
+             WHERE scope = $1 AND operation = $2 AND idem_key = $3
+               AND state = 'pending' AND lease_token = $4 AND lease_until <= now()",
         )
-        .await
+        .bind(key.scope())
+        .bind(key.operation())
+        .bind(key.key())
+        .bind(stale.0)
+        .bind(fresh.0)
+        .bind(millis(lease));
+        // Recorded where the key records a history (external, or a history already begun).
+        match self
+            .recorded(key, EventKind::Claimed, None, false, claim)
+            .await
+        {
+            Ok(done) => Ok(done == 1),
+            Err(e) if lost_race(&e) => Ok(false),
+            Err(e) => Err(e.into()),
+        }
     }
 }
 
@@ -671,6 +721,136 @@ impl super::CompletionSignal for PgStore {
 
 // --- Maintenance: recovery, purge, listing, resolution, statistics ------------------------------
 
+impl PgStore {
+    /// Appends an event of `kind` (actor: this store) to the key's history, then runs `change`,
+    /// in one transaction that commits only if `change` changed a row: the history never
+    /// disagrees with the row. `always`: record it whatever the key; otherwise only where the
+    /// key is external or its history has begun. Returns the rows changed.
+    async fn recorded(
+        &self,
+        key: &IdempotencyKey,
+        kind: EventKind,
+        detail: Option<&str>,
+        always: bool,
+        change: PgQuery<'_>,
+    ) -> Result<u64, sqlx::Error> {
+        let named = self.named().await?;
+        let mut tx = self.pool.begin().await?;
+        append(&mut tx, key, kind, detail, &self.actor, always, named).await?;
+        let changed = change.persistent(named).execute(&mut *tx).await?;
+        if changed.rows_affected() == 0 {
+            tx.rollback().await?;
+        } else {
+            tx.commit().await?;
+        }
+        Ok(changed.rows_affected())
+    }
+
+    /// The reservation of a key that records a history: the reserving statement and, if it
+    /// inserted the row, a `reserved` event, in one transaction.
+    async fn reserve_recorded(
+        &self,
+        key: &IdempotencyKey,
+        reserve: PgQuery<'_>,
+    ) -> Result<PgRow, sqlx::Error> {
+        let named = self.named().await?;
+        let mut tx = self.pool.begin().await?;
+        let answer = reserve.persistent(named).fetch_one(&mut *tx).await?;
+        if answer.try_get::<bool, _>("inserted")? {
+            append(
+                &mut tx,
+                key,
+                EventKind::Reserved,
+                None,
+                &self.actor,
+                true,
+                named,
+            )
+            .await?;
+            tx.commit().await?;
+        } else {
+            tx.rollback().await?;
+        }
+        Ok(answer)
+    }
+}
+
+/// Deletes the row of `key` where it is pending with `token`.
+fn release_statement(key: &IdempotencyKey, token: LeaseToken) -> PgQuery<'_> {
+    sqlx::query(
+        "DELETE FROM idempotency_keys
+         WHERE scope = $1 AND operation = $2 AND idem_key = $3
+           AND state = 'pending' AND lease_token = $4",
+    )
+    .bind(key.scope())
+    .bind(key.operation())
+    .bind(key.key())
+    .bind(token.0)
+}
+
+/// Parks the row of `key` where it is pending with `token`.
+fn park_statement<'q>(key: &'q IdempotencyKey, token: LeaseToken, reason: &'q str) -> PgQuery<'q> {
+    sqlx::query(
+        "UPDATE idempotency_keys SET state = 'needs_review', reason = $5, updated_at = now()
+         WHERE scope = $1 AND operation = $2 AND idem_key = $3
+           AND state = 'pending' AND lease_token = $4",
+    )
+    .bind(key.scope())
+    .bind(key.operation())
+    .bind(key.key())
+    .bind(token.0)
+    .bind(reason)
+}
+
+/// Appends an event to the history of `key` inside `tx`, at the transaction's `now()`:
+/// `always`, or only where the key is external or its history has begun.
+async fn append(
+    tx: &mut Transaction<'_, Postgres>,
+    key: &IdempotencyKey,
+    kind: EventKind,
+    detail: Option<&str>,
+    actor: &str,
+    always: bool,
+    named: bool,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "INSERT INTO idempotency_key_events (scope, operation, idem_key, at, kind, detail, actor)
+         SELECT $1, $2, $3, now(), $4, $5, $6
+          WHERE $7
+             OR EXISTS (SELECT 1 FROM idempotency_keys
+                         WHERE scope = $1 AND operation = $2 AND idem_key = $3
+                           AND effects = 'external')
+             OR EXISTS (SELECT 1 FROM idempotency_key_events
+                         WHERE scope = $1 AND operation = $2 AND idem_key = $3)",
+    )
+    .bind(key.scope())
+    .bind(key.operation())
+    .bind(key.key())
+    .bind(kind.as_str())
+    .bind(detail)
+    .bind(actor)
+    .bind(always)
+    .persistent(named)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+/// The fence of an operator action on the row it saw: no `seen` (a NULL parameter), or the
+/// row's `updated_at` equals it at millisecond precision (both truncated, as the other backends
+/// compare).
+macro_rules! seen_matches {
+    ($param:literal) => {
+        concat!(
+            "(",
+            $param,
+            "::BIGINT IS NULL OR (extract(epoch FROM date_trunc('milliseconds', updated_at)) * 1000)::BIGINT = ",
+            $param,
+            ")"
+        )
+    };
+}
+
 const EXPIRED_LEASES: &str = concat!(
     "SELECT ",
     columns!(),
@@ -686,6 +866,8 @@ const LIST: &str = concat!(
         AND ($2::TEXT IS NULL OR k.scope = $2)
         AND ($3::TEXT IS NULL OR k.operation = $3)
         AND ($4::BIGINT IS NULL OR k.created_at <= now() - $4 * INTERVAL '1 millisecond')
+        AND ($6::TIMESTAMPTZ IS NULL
+             OR (k.created_at, k.scope, k.operation, k.idem_key) > ($6, $7::TEXT, $8::TEXT, $9::TEXT))
       ORDER BY k.created_at, k.scope, k.operation, k.idem_key LIMIT $5"
 );
 
@@ -718,23 +900,29 @@ impl super::Maintenance for PgStore {
         reason: &str,
         retention: Duration,
     ) -> Result<bool, StoreError> {
-        self.conditional(
-            sqlx::query(
-                "UPDATE idempotency_keys SET
-                    state = 'completed', result = $5, reason = $6, updated_at = now(),
-                    expires_at = now() + $7 * INTERVAL '1 millisecond'
-                 WHERE scope = $1 AND operation = $2 AND idem_key = $3
-                   AND state = 'pending' AND lease_token = $4",
-            )
-            .bind(key.scope())
-            .bind(key.operation())
-            .bind(key.key())
-            .bind(token.0)
-            .bind(result)
-            .bind(reason)
-            .bind(millis(retention)),
+        let complete = sqlx::query(
+            "UPDATE idempotency_keys SET
+                state = 'completed', result = $5, reason = $6, updated_at = now(),
+                expires_at = now() + $7 * INTERVAL '1 millisecond'
+             WHERE scope = $1 AND operation = $2 AND idem_key = $3
+               AND state = 'pending' AND lease_token = $4",
         )
-        .await
+        .bind(key.scope())
+        .bind(key.operation())
+        .bind(key.key())
+        .bind(token.0)
+        .bind(result)
+        .bind(reason)
+        .bind(millis(retention));
+        let detail = Some(history::bounded(reason, history::DETAIL_MAX_BYTES));
+        match self
+            .recorded(key, EventKind::Completed, detail, false, complete)
+            .await
+        {
+            Ok(done) => Ok(done == 1),
+            Err(e) if lost_race(&e) => Ok(false),
+            Err(e) => Err(e.into()),
+        }
     }
 
     async fn purge_batch(&self, batch: u32) -> Result<u64, StoreError> {
@@ -746,25 +934,54 @@ impl super::Maintenance for PgStore {
         // rescanned and delete more than `n` rows; a join on a CTE was planned as a hash join over
         // the whole table; an ORDER BY sorts every expired row when the planner picks a bitmap
         // scan (as it does before the table is analysed). Each is O(table) per batch.
+        // The keys' histories go in the same statement.
         let done = self
-            .exec(
+            .row(
                 sqlx::query(
-                    "DELETE FROM idempotency_keys
-             WHERE ctid = ANY (ARRAY(
-                 SELECT ctid FROM idempotency_keys
-                 WHERE state IN ('completed', 'failed') AND expires_at <= now()
-                 LIMIT $1
-                 FOR UPDATE SKIP LOCKED))
-               AND state IN ('completed', 'failed') AND expires_at <= now()",
+                    "WITH deleted AS (
+                        DELETE FROM idempotency_keys
+                         WHERE ctid = ANY (ARRAY(
+                             SELECT ctid FROM idempotency_keys
+                             WHERE state IN ('completed', 'failed') AND expires_at <= now()
+                             LIMIT $1
+                             FOR UPDATE SKIP LOCKED))
+                           AND state IN ('completed', 'failed') AND expires_at <= now()
+                        RETURNING scope, operation, idem_key),
+                     events AS (
+                        DELETE FROM idempotency_key_events e USING deleted d
+                         WHERE e.scope = d.scope AND e.operation = d.operation
+                           AND e.idem_key = d.idem_key)
+                     SELECT count(*) AS n FROM deleted",
                 )
                 .bind(i64::from(batch)),
             )
             .await;
-        match done {
-            Ok(done) => Ok(done.rows_affected()),
-            Err(e) if lost_race(&e) => Ok(0),
-            Err(e) => Err(e.into()),
+        let deleted = match done {
+            Ok(row) => row.try_get::<i64, _>("n")?.max(0) as u64,
+            Err(e) if lost_race(&e) => return Ok(0),
+            Err(e) => return Err(e.into()),
+        };
+        if deleted < u64::from(batch) {
+            // The last batch of this purge: sweep the orphaned histories too.
+            self.exec(
+                sqlx::query(concat!(
+                    "DELETE FROM idempotency_key_events WHERE id = ANY (ARRAY(",
+                    history::orphaned_events!("now() - INTERVAL '1 millisecond' * $2", "$1"),
+                    "))"
+                ))
+                .bind(i64::from(batch))
+                .bind(millis(history::ORPHAN_RETENTION)),
+            )
+            .await
+            .or_else(|e| {
+                if lost_race(&e) {
+                    Ok(Default::default())
+                } else {
+                    Err(e)
+                }
+            })?;
         }
+        Ok(deleted)
     }
 
     async fn count_purgeable(&self) -> Result<u64, StoreError> {
@@ -779,13 +996,18 @@ impl super::Maintenance for PgStore {
     }
 
     async fn list(&self, filter: &super::KeyFilter) -> Result<Vec<KeyRecord>, StoreError> {
+        let after = filter.after.as_ref();
         self.rows(
             sqlx::query(LIST)
                 .bind(filter.state.map(|s| s.as_str()))
                 .bind(filter.scope.as_deref())
                 .bind(filter.operation.as_deref())
                 .bind(filter.older_than.map(millis))
-                .bind(i64::from(filter.limit)),
+                .bind(i64::from(filter.limit))
+                .bind(after.map(|c| c.created_at()))
+                .bind(after.map(|c| c.key().scope()))
+                .bind(after.map(|c| c.key().operation()))
+                .bind(after.map(|c| c.key().key())),
         )
         .await?
         .iter()
@@ -797,30 +1019,96 @@ impl super::Maintenance for PgStore {
         &self,
         key: &IdempotencyKey,
         resolution: &super::Resolution,
-        reason: &str,
+        note: &OperatorNote,
         retention: Duration,
     ) -> Result<bool, StoreError> {
         let result = match resolution {
             super::Resolution::Completed(bytes) => Some(bytes.as_slice()),
             super::Resolution::Failed => None,
         };
+        let state = resolution.state().as_str();
+        // One statement: the row and its event are written together or not at all.
         self.conditional(
+            sqlx::query(concat!(
+                "WITH changed AS (
+                    UPDATE idempotency_keys SET
+                        state = $4, result = $5, reason = $6, updated_at = now(),
+                        expires_at = now() + $7 * INTERVAL '1 millisecond'
+                     WHERE scope = $1 AND operation = $2 AND idem_key = $3
+                       AND state = 'needs_review' AND ",
+                seen_matches!("$8"),
+                " RETURNING scope, operation, idem_key)
+                 INSERT INTO idempotency_key_events (scope, operation, idem_key, at, kind, detail, actor)
+                 SELECT scope, operation, idem_key, now(), 'resolved', $9, $10 FROM changed"
+            ))
+            .bind(key.scope())
+            .bind(key.operation())
+            .bind(key.key())
+            .bind(state)
+            .bind(result)
+            .bind(note.reason.as_str())
+            .bind(millis(retention))
+            .bind(note.seen_millis())
+            .bind(history::resolved_detail(state, note))
+            .bind(note.actor()),
+        )
+        .await
+    }
+
+    async fn hand_back(
+        &self,
+        key: &IdempotencyKey,
+        note: &OperatorNote,
+    ) -> Result<bool, StoreError> {
+        self.conditional(
+            sqlx::query(concat!(
+                "WITH changed AS (
+                    UPDATE idempotency_keys SET
+                        state = 'pending', lease_until = now(), recovery_attempts = 0,
+                        reason = $4, updated_at = now()
+                     WHERE scope = $1 AND operation = $2 AND idem_key = $3
+                       AND state = 'needs_review' AND ",
+                seen_matches!("$5"),
+                " RETURNING scope, operation, idem_key)
+                 INSERT INTO idempotency_key_events (scope, operation, idem_key, at, kind, detail, actor)
+                 SELECT scope, operation, idem_key, now(), 'handed_back', $6, $7 FROM changed"
+            ))
+            .bind(key.scope())
+            .bind(key.operation())
+            .bind(key.key())
+            .bind(note.reason.as_str())
+            .bind(note.seen_millis())
+            .bind(history::handed_back_detail(note))
+            .bind(note.actor()),
+        )
+        .await
+    }
+
+    async fn history(&self, key: &IdempotencyKey, limit: u32) -> Result<Vec<KeyEvent>, StoreError> {
+        self.rows(
             sqlx::query(
-                "UPDATE idempotency_keys SET
-                    state = $4, result = $5, reason = $6, updated_at = now(),
-                    expires_at = now() + $7 * INTERVAL '1 millisecond'
-                 WHERE scope = $1 AND operation = $2 AND idem_key = $3
-                   AND state = 'needs_review'",
+                "SELECT at, kind, detail, actor FROM (
+                    SELECT id, at, kind, detail, actor FROM idempotency_key_events
+                     WHERE scope = $1 AND operation = $2 AND idem_key = $3
+                     ORDER BY id DESC LIMIT $4) newest
+                 ORDER BY id",
             )
             .bind(key.scope())
             .bind(key.operation())
             .bind(key.key())
-            .bind(resolution.state().as_str())
-            .bind(result)
-            .bind(reason)
-            .bind(millis(retention)),
+            .bind(i64::from(limit)),
         )
-        .await
+        .await?
+        .iter()
+        .map(|row| {
+            history::event(
+                row.try_get("at")?,
+                row.try_get("kind")?,
+                row.try_get("detail")?,
+                row.try_get("actor")?,
+            )
+        })
+        .collect()
     }
 
     async fn stats(&self) -> Result<super::KeyStats, StoreError> {

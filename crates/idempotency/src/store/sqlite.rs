@@ -1,5 +1,6 @@
 //! SQLite store (feature `sqlite`), the embedded default.
 
+use super::history::{self, EventKind, KeyEvent, NewEvent, OperatorNote};
 use super::migration::{self, Bookkeeping, Migration};
 use super::row::{uuid, KeyRow};
 use super::{millis, Insertion, KeyRecord, LeaseToken, PendingRow, Store};
@@ -12,7 +13,7 @@ use sqlx::{
     },
     Row, Sqlite, SqlitePool, Transaction, TransactionManager,
 };
-use std::{str::FromStr, time::Duration};
+use std::{str::FromStr, sync::Arc, time::Duration};
 
 /// The key table's migrations, applied in order by [`Store::migrate`].
 pub(crate) const MIGRATIONS: &[Migration] = &[
@@ -25,6 +26,11 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         version: 2,
         description: "durable steps: recovery point, request, progress",
         sql: include_str!("../../migrations/sqlite/0002_durable_steps.sql"),
+    },
+    Migration {
+        version: 3,
+        description: "key history: idempotency_key_events",
+        sql: include_str!("../../migrations/sqlite/0003_key_events.sql"),
     },
 ];
 
@@ -113,6 +119,8 @@ const FIND: &str = concat!(
 pub struct SqliteStore {
     pool: SqlitePool,
     writer: SqlitePool,
+    /// Who this store is in the keys' histories ([`with_worker_name`](Self::with_worker_name)).
+    actor: Arc<str>,
 }
 
 impl SqliteStore {
@@ -126,7 +134,24 @@ impl SqliteStore {
             .max_connections(1)
             .acquire_timeout(Duration::from_secs(30))
             .connect_lazy_with(options);
-        Self { pool, writer }
+        Self {
+            pool,
+            writer,
+            actor: history::default_actor(),
+        }
+    }
+
+    /// Names this process in the keys' histories (the actor of the events it writes: reserved,
+    /// steps, calls, claims, completions); default `host:pid`.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), idempotency::StoreError> {
+    /// let store = idempotency::SqliteStore::connect("sqlite://shop.db").await?.with_worker_name("web-1");
+    /// # Ok(()) }
+    /// ```
+    pub fn with_worker_name(mut self, name: &str) -> Self {
+        self.actor = history::worker_actor(name);
+        self
     }
 
     /// Opens (creating if missing) a database file in WAL mode with `synchronous = FULL` and a
@@ -313,8 +338,14 @@ impl Store for SqliteStore {
         .bind(row.token.0.as_bytes().to_vec())
         .bind(row.lease_millis())
         .bind(row.retention_millis());
-        let relaxed = !row.must_flush_reservation();
-        let inserted = execute_on_writer(&self.writer, statement, relaxed).await? == 1;
+        let inserted = if row.records_history() {
+            self.recorded(row.key, EventKind::Reserved, None, true, statement)
+                .await?
+                == 1
+        } else {
+            let relaxed = !row.must_flush_reservation();
+            execute_on_writer(&self.writer, statement, relaxed).await? == 1
+        };
         if inserted {
             return Ok(Insertion::Inserted);
         }
@@ -354,7 +385,7 @@ impl Store for SqliteStore {
     }
 
     async fn take_over(&self, row: &PendingRow<'_>, stale: LeaseToken) -> Result<bool, StoreError> {
-        let done = sqlx::query(concat!(
+        let statement = sqlx::query(concat!(
             "UPDATE idempotency_keys SET
                 state = 'pending', effects = ?4, fingerprint = ?5, lease_token = ?6,
                 lease_until = ",
@@ -388,9 +419,14 @@ impl Store for SqliteStore {
         .bind(row.token.0.as_bytes().as_slice())
         .bind(row.lease_millis())
         .bind(row.retention_millis())
-        .bind(stale.0.as_bytes().as_slice())
-        .execute(&self.writer)
-        .await?;
+        .bind(stale.0.as_bytes().as_slice());
+        if row.records_history() {
+            return Ok(self
+                .recorded(row.key, EventKind::Reserved, None, true, statement)
+                .await?
+                == 1);
+        }
+        let done = statement.execute(&self.writer).await?;
         Ok(done.rows_affected() == 1)
     }
 
@@ -443,17 +479,7 @@ impl Store for SqliteStore {
     }
 
     async fn release(&self, key: &IdempotencyKey, token: LeaseToken) -> Result<bool, StoreError> {
-        let done = sqlx::query(
-            "DELETE FROM idempotency_keys
-             WHERE scope = ?1 AND operation = ?2 AND idem_key = ?3
-               AND state = 'pending' AND lease_token = ?4",
-        )
-        .bind(key.scope())
-        .bind(key.operation())
-        .bind(key.key())
-        .bind(token.0.as_bytes().as_slice())
-        .execute(&self.writer)
-        .await?;
+        let done = release_statement(key, token).execute(&self.writer).await?;
         Ok(done.rows_affected() == 1)
     }
 
@@ -463,20 +489,44 @@ impl Store for SqliteStore {
         token: LeaseToken,
         reason: &str,
     ) -> Result<bool, StoreError> {
-        let done = sqlx::query(concat!(
-            "UPDATE idempotency_keys SET state = 'needs_review', reason = ?5, updated_at = ",
-            now_ms!(),
-            " WHERE scope = ?1 AND operation = ?2 AND idem_key = ?3
-               AND state = 'pending' AND lease_token = ?4"
-        ))
-        .bind(key.scope())
-        .bind(key.operation())
-        .bind(key.key())
-        .bind(token.0.as_bytes().as_slice())
-        .bind(reason)
-        .execute(&self.writer)
-        .await?;
+        let done = park_statement(key, token, reason)
+            .execute(&self.writer)
+            .await?;
         Ok(done.rows_affected() == 1)
+    }
+
+    async fn release_recorded(
+        &self,
+        key: &IdempotencyKey,
+        token: LeaseToken,
+    ) -> Result<bool, StoreError> {
+        let statement = release_statement(key, token);
+        let done = self.recorded(key, EventKind::Released, None, true, statement);
+        Ok(done.await? == 1)
+    }
+
+    async fn park_recorded(
+        &self,
+        key: &IdempotencyKey,
+        token: LeaseToken,
+        reason: &str,
+    ) -> Result<bool, StoreError> {
+        let statement = park_statement(key, token, reason);
+        let detail = Some(history::bounded(reason, history::DETAIL_MAX_BYTES));
+        let done = self.recorded(key, EventKind::Parked, detail, true, statement);
+        Ok(done.await? == 1)
+    }
+
+    async fn append_event(
+        &self,
+        tx: &mut Transaction<'static, Sqlite>,
+        key: &IdempotencyKey,
+        kind: EventKind,
+        detail: Option<&str>,
+    ) -> Result<(), StoreError> {
+        let detail = detail.map(|d| history::bounded(d, history::DETAIL_MAX_BYTES));
+        append(tx, key, kind, detail, &self.actor, true).await?;
+        Ok(())
     }
 
     async fn extend_lease(
@@ -507,7 +557,7 @@ impl Store for SqliteStore {
         fresh: LeaseToken,
         lease: Duration,
     ) -> Result<bool, StoreError> {
-        let done = sqlx::query(concat!(
+        let statement = sqlx::query(concat!(
             "UPDATE idempotency_keys SET lease_token = ?5, lease_until = ",
             now_ms!(),
             " + ?6, updated_at = ",
@@ -521,10 +571,10 @@ impl Store for SqliteStore {
         .bind(key.key())
         .bind(stale.0.as_bytes().as_slice())
         .bind(fresh.0.as_bytes().as_slice())
-        .bind(millis(lease))
-        .execute(&self.writer)
-        .await?;
-        Ok(done.rows_affected() == 1)
+        .bind(millis(lease));
+        // Recorded where the key records a history (external, or a history already begun).
+        let claimed = self.recorded(key, EventKind::Claimed, None, false, statement);
+        Ok(claimed.await? == 1)
     }
 }
 
@@ -604,6 +654,7 @@ const LIST: &str = concat!(
         AND (?4 IS NULL OR created_at <= ",
     now_ms!(),
     " - ?4)
+        AND (?6 IS NULL OR (created_at, scope, operation, idem_key) > (?6, ?7, ?8, ?9))
       ORDER BY created_at, scope, operation, idem_key LIMIT ?5"
 );
 
@@ -615,6 +666,128 @@ macro_rules! purgeable {
             now_ms!()
         )
     };
+}
+
+impl SqliteStore {
+    /// Runs a conditional update on the writer and, only if it changed the row, appends `event`
+    /// to the key's history, both in one `BEGIN IMMEDIATE` transaction: the history never
+    /// disagrees with the row.
+    async fn logged_change<'q>(
+        &self,
+        key: &IdempotencyKey,
+        event: &NewEvent<'_>,
+        update: sqlx::query::Query<'q, Sqlite, SqliteArguments<'q>>,
+    ) -> Result<bool, StoreError> {
+        let mut tx = self.writer.begin_with("BEGIN IMMEDIATE").await?;
+        if update.execute(&mut *tx).await?.rows_affected() != 1 {
+            tx.rollback().await?;
+            return Ok(false);
+        }
+        let actor = event.actor.unwrap_or(&self.actor);
+        append(
+            &mut tx,
+            key,
+            event.kind,
+            event.detail.as_deref(),
+            actor,
+            true,
+        )
+        .await?;
+        tx.commit().await?;
+        Ok(true)
+    }
+
+    /// Appends an event of `kind` (actor: this store) to the key's history, then runs `change`,
+    /// in one `BEGIN IMMEDIATE` transaction that commits only if `change` changed a row: the
+    /// history never disagrees with the row. `always`: record it whatever the key; otherwise
+    /// only where the key is external or its history has begun. Returns the rows changed.
+    async fn recorded<'q>(
+        &self,
+        key: &IdempotencyKey,
+        kind: EventKind,
+        detail: Option<&str>,
+        always: bool,
+        change: sqlx::query::Query<'q, Sqlite, SqliteArguments<'q>>,
+    ) -> Result<u64, StoreError> {
+        let mut tx = self.writer.begin_with("BEGIN IMMEDIATE").await?;
+        append(&mut tx, key, kind, detail, &self.actor, always).await?;
+        let changed = change.execute(&mut *tx).await?.rows_affected();
+        if changed == 0 {
+            tx.rollback().await?;
+        } else {
+            tx.commit().await?;
+        }
+        Ok(changed)
+    }
+}
+
+/// Deletes the row of `key` where it is pending with `token`.
+fn release_statement<'q>(
+    key: &'q IdempotencyKey,
+    token: LeaseToken,
+) -> sqlx::query::Query<'q, Sqlite, SqliteArguments<'q>> {
+    sqlx::query(
+        "DELETE FROM idempotency_keys
+         WHERE scope = ?1 AND operation = ?2 AND idem_key = ?3
+           AND state = 'pending' AND lease_token = ?4",
+    )
+    .bind(key.scope())
+    .bind(key.operation())
+    .bind(key.key())
+    .bind(token.0.as_bytes().to_vec())
+}
+
+/// Parks the row of `key` where it is pending with `token`.
+fn park_statement<'q>(
+    key: &'q IdempotencyKey,
+    token: LeaseToken,
+    reason: &'q str,
+) -> sqlx::query::Query<'q, Sqlite, SqliteArguments<'q>> {
+    sqlx::query(concat!(
+        "UPDATE idempotency_keys SET state = 'needs_review', reason = ?5, updated_at = ",
+        now_ms!(),
+        " WHERE scope = ?1 AND operation = ?2 AND idem_key = ?3
+           AND state = 'pending' AND lease_token = ?4"
+    ))
+    .bind(key.scope())
+    .bind(key.operation())
+    .bind(key.key())
+    .bind(token.0.as_bytes().to_vec())
+    .bind(reason)
+}
+
+/// Appends an event to the history of `key` inside `tx`, at SQLite's clock: `always`, or only
+/// where the key is external or its history has begun.
+async fn append(
+    tx: &mut Transaction<'_, Sqlite>,
+    key: &IdempotencyKey,
+    kind: EventKind,
+    detail: Option<&str>,
+    actor: &str,
+    always: bool,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(concat!(
+        "INSERT INTO idempotency_key_events (scope, operation, idem_key, at, kind, detail, actor)
+         SELECT ?1, ?2, ?3, ",
+        now_ms!(),
+        ", ?4, ?5, ?6
+         WHERE ?7
+            OR EXISTS (SELECT 1 FROM idempotency_keys
+                        WHERE scope = ?1 AND operation = ?2 AND idem_key = ?3
+                          AND effects = 'external')
+            OR EXISTS (SELECT 1 FROM idempotency_key_events
+                        WHERE scope = ?1 AND operation = ?2 AND idem_key = ?3)"
+    ))
+    .bind(key.scope())
+    .bind(key.operation())
+    .bind(key.key())
+    .bind(kind.as_str())
+    .bind(detail)
+    .bind(actor)
+    .bind(always)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
 }
 
 impl super::Maintenance for SqliteStore {
@@ -636,7 +809,7 @@ impl super::Maintenance for SqliteStore {
         reason: &str,
         retention: Duration,
     ) -> Result<bool, StoreError> {
-        let done = sqlx::query(concat!(
+        let statement = sqlx::query(concat!(
             "UPDATE idempotency_keys SET state = 'completed', result = ?5, reason = ?6, updated_at = ",
             now_ms!(),
             ", expires_at = ",
@@ -651,25 +824,53 @@ impl super::Maintenance for SqliteStore {
         .bind(result)
         .bind(reason)
         .bind(millis(retention))
-        .execute(&self.writer)
-        .await?;
-        Ok(done.rows_affected() == 1)
+        ;
+        let detail = Some(history::bounded(reason, history::DETAIL_MAX_BYTES));
+        let done = self.recorded(key, EventKind::Completed, detail, false, statement);
+        Ok(done.await? == 1)
     }
 
     async fn purge_batch(&self, batch: u32) -> Result<u64, StoreError> {
-        // One statement (SQLite has one writer at a time): the batch bounds how long it holds
-        // the write lock. The table is WITHOUT ROWID, so rows are named by primary key.
-        let done = sqlx::query(concat!(
-            "DELETE FROM idempotency_keys WHERE (scope, operation, idem_key) IN (
-                 SELECT scope, operation, idem_key FROM idempotency_keys WHERE ",
-            purgeable!(),
-            " ORDER BY expires_at LIMIT ?1) AND ",
-            purgeable!()
+        // One short transaction (SQLite has one writer at a time): the batch bounds how long it
+        // holds the write lock. The time is read once, so both statements choose the same rows:
+        // the keys' histories go with them. The table is WITHOUT ROWID, so rows are named by
+        // primary key.
+        const CHOSEN: &str = "(scope, operation, idem_key) IN (
+            SELECT scope, operation, idem_key FROM idempotency_keys
+             WHERE state IN ('completed', 'failed') AND expires_at <= ?2
+             ORDER BY expires_at, scope, operation, idem_key LIMIT ?1)";
+        let mut tx = self.writer.begin_with("BEGIN IMMEDIATE").await?;
+        let now: i64 = sqlx::query_scalar(concat!("SELECT ", now_ms!()))
+            .fetch_one(&mut *tx)
+            .await?;
+        sqlx::query(&format!(
+            "DELETE FROM idempotency_key_events WHERE {CHOSEN}"
         ))
         .bind(i64::from(batch))
-        .execute(&self.writer)
+        .bind(now)
+        .execute(&mut *tx)
         .await?;
-        Ok(done.rows_affected())
+        let deleted = sqlx::query(&format!("DELETE FROM idempotency_keys WHERE {CHOSEN}"))
+            .bind(i64::from(batch))
+            .bind(now)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+        if deleted < u64::from(batch) {
+            // The last batch of this purge: sweep the orphaned histories too.
+            sqlx::query(concat!(
+                "DELETE FROM idempotency_key_events WHERE id IN (",
+                history::orphaned_events!("?2 - ?3", "?1"),
+                ")"
+            ))
+            .bind(i64::from(batch))
+            .bind(now)
+            .bind(millis(history::ORPHAN_RETENTION))
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(deleted)
     }
 
     async fn count_purgeable(&self) -> Result<u64, StoreError> {
@@ -683,12 +884,17 @@ impl super::Maintenance for SqliteStore {
     }
 
     async fn list(&self, filter: &super::KeyFilter) -> Result<Vec<KeyRecord>, StoreError> {
+        let after = filter.after.as_ref();
         sqlx::query(LIST)
             .bind(filter.state.map(|s| s.as_str()))
             .bind(filter.scope.as_deref())
             .bind(filter.operation.as_deref())
             .bind(filter.older_than.map(millis))
             .bind(i64::from(filter.limit))
+            .bind(after.map(|c| c.created_at().timestamp_millis()))
+            .bind(after.map(|c| c.key().scope()))
+            .bind(after.map(|c| c.key().operation()))
+            .bind(after.map(|c| c.key().key()))
             .fetch_all(&self.pool)
             .await?
             .iter()
@@ -700,31 +906,88 @@ impl super::Maintenance for SqliteStore {
         &self,
         key: &IdempotencyKey,
         resolution: &super::Resolution,
-        reason: &str,
+        note: &OperatorNote,
         retention: Duration,
     ) -> Result<bool, StoreError> {
         let result = match resolution {
             super::Resolution::Completed(bytes) => Some(bytes.as_slice()),
             super::Resolution::Failed => None,
         };
-        let done = sqlx::query(concat!(
+        let state = resolution.state().as_str();
+        let update = sqlx::query(concat!(
             "UPDATE idempotency_keys SET state = ?4, result = ?5, reason = ?6, updated_at = ",
             now_ms!(),
             ", expires_at = ",
             now_ms!(),
             " + ?7 WHERE scope = ?1 AND operation = ?2 AND idem_key = ?3
-               AND state = 'needs_review'"
+               AND state = 'needs_review' AND (?8 IS NULL OR updated_at = ?8)"
         ))
         .bind(key.scope())
         .bind(key.operation())
         .bind(key.key())
-        .bind(resolution.state().as_str())
+        .bind(state)
         .bind(result)
-        .bind(reason)
+        .bind(note.reason.as_str())
         .bind(millis(retention))
-        .execute(&self.writer)
-        .await?;
-        Ok(done.rows_affected() == 1)
+        .bind(note.seen_millis());
+        let event = NewEvent {
+            kind: EventKind::Resolved,
+            detail: Some(history::resolved_detail(state, note)),
+            actor: Some(note.actor()),
+        };
+        self.logged_change(key, &event, update).await
+    }
+
+    async fn hand_back(
+        &self,
+        key: &IdempotencyKey,
+        note: &OperatorNote,
+    ) -> Result<bool, StoreError> {
+        let update = sqlx::query(concat!(
+            "UPDATE idempotency_keys SET state = 'pending', lease_until = ",
+            now_ms!(),
+            ", recovery_attempts = 0, reason = ?4, updated_at = ",
+            now_ms!(),
+            " WHERE scope = ?1 AND operation = ?2 AND idem_key = ?3
+               AND state = 'needs_review' AND (?5 IS NULL OR updated_at = ?5)"
+        ))
+        .bind(key.scope())
+        .bind(key.operation())
+        .bind(key.key())
+        .bind(note.reason.as_str())
+        .bind(note.seen_millis());
+        let event = NewEvent {
+            kind: EventKind::HandedBack,
+            detail: Some(history::handed_back_detail(note)),
+            actor: Some(note.actor()),
+        };
+        self.logged_change(key, &event, update).await
+    }
+
+    async fn history(&self, key: &IdempotencyKey, limit: u32) -> Result<Vec<KeyEvent>, StoreError> {
+        sqlx::query(
+            "SELECT at, kind, detail, actor FROM (
+                SELECT id, at, kind, detail, actor FROM idempotency_key_events
+                 WHERE scope = ?1 AND operation = ?2 AND idem_key = ?3
+                 ORDER BY id DESC LIMIT ?4)
+             ORDER BY id",
+        )
+        .bind(key.scope())
+        .bind(key.operation())
+        .bind(key.key())
+        .bind(i64::from(limit))
+        .fetch_all(&self.pool)
+        .await?
+        .iter()
+        .map(|row| {
+            history::event(
+                time(row, "at")?,
+                row.try_get("kind")?,
+                row.try_get("detail")?,
+                row.try_get("actor")?,
+            )
+        })
+        .collect()
     }
 
     async fn stats(&self) -> Result<super::KeyStats, StoreError> {

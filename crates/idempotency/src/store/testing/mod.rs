@@ -10,6 +10,7 @@
 //! | `journal` | [`Journal`](crate::store::Journal) | the statements of durable steps and recovery, fenced by the lease token |
 //! | `reserve_in_transaction` | [`ReserveInTransaction`](crate::store::ReserveInTransaction) | the single-transaction mode |
 //! | `completion_signal` | [`CompletionSignal`](crate::store::CompletionSignal) | waiting for a pending key to settle |
+//! | `maintenance` | [`Maintenance`](crate::store::Maintenance) | operator resolution and hand-back of parked keys, fenced on the row the operator saw, the key's history read back in order, and keyset paging of listings visiting every row once |
 //!
 //! A scenario gets a fresh, migrated store from the function the macro is given (an `async fn`
 //! returning `Option<S>`; `None` skips the test, e.g. when no database server is configured),
@@ -38,6 +39,8 @@
 pub mod completion_signal;
 #[doc(hidden)]
 pub mod journal;
+#[doc(hidden)]
+pub mod maintenance;
 #[doc(hidden)]
 pub mod protocol;
 #[doc(hidden)]
@@ -436,7 +439,8 @@ async fn poll_then_drop<F: Future>(future: F, polls: u64) -> Option<F::Output> {
 /// fresh, migrated store on an empty database for each test (`None` skips the test). The
 /// suites: `protocol` ([`Store`]), `journal` ([`Journal`](crate::store::Journal)),
 /// `reserve_in_transaction` ([`ReserveInTransaction`](crate::store::ReserveInTransaction)),
-/// `completion_signal` ([`CompletionSignal`](crate::store::CompletionSignal)). End with
+/// `completion_signal` ([`CompletionSignal`](crate::store::CompletionSignal)), `maintenance`
+/// ([`Maintenance`](crate::store::Maintenance)). End with
 /// `single_writer` for a store whose business transactions block each other's writes
 /// ([`Profile::single_writer`]). The calling crate needs `tokio` with the `macros` and
 /// `rt-multi-thread` features.
@@ -542,6 +546,17 @@ macro_rules! __conformance_suite {
             a_duplicate_waits_at_most_the_wait,
             a_park_commits_a_row_of_its_own,
             external_work_reserves_on_its_own_commit,
+        );
+    };
+    (maintenance, $open:expr, $profile:expr) => {
+        $crate::__conformance_tests!(
+            maintenance,
+            $open,
+            $profile,
+            a_resolution_on_a_stale_page_is_refused,
+            a_hand_back_returns_the_key_to_the_resumer,
+            the_history_reads_back_in_order,
+            pages_after_a_cursor_visit_every_row_once,
         );
     };
     (completion_signal, $open:expr, $profile:expr) => {
