@@ -615,3 +615,143 @@ async fn recover_loop_runs_until_sigterm() {
         );
     }
 }
+
+/// A durable charge for the history test: a local step, then a keyed outside call to a provider
+/// that is slow until told otherwise, then the completion.
+#[derive(Clone)]
+struct SlowCharge {
+    /// Whether the provider answers at once (the resumer's turn) or hangs (the first worker's).
+    answers: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl idempotency::durable::Operation<SqliteStore> for SlowCharge {
+    type Request = Value;
+    type Response = Value;
+
+    fn name(&self) -> &str {
+        "charge"
+    }
+
+    async fn run(
+        &self,
+        steps: &mut idempotency::durable::Steps<SqliteStore>,
+        _request: &Value,
+    ) -> Result<idempotency::durable::Finished<Value>, idempotency::durable::StepError> {
+        use idempotency::durable::Lookup;
+        use std::sync::atomic::Ordering;
+        steps
+            .local("order", async |_tx| {
+                Ok::<_, sqlx::Error>(json!({"order": 7}))
+            })
+            .await?;
+        let answers = self.answers.clone();
+        let charge = steps
+            .call(
+                "charge",
+                |key| {
+                    let answers = answers.clone();
+                    async move {
+                        if !answers.load(Ordering::SeqCst) {
+                            std::future::pending::<()>().await;
+                        }
+                        Ok(json!({"charge_id": "ch_42", "key": key}))
+                    }
+                },
+                |_key| async { Lookup::NotDone },
+            )
+            .await?;
+        steps
+            .finish(async move |_tx| Ok::<_, sqlx::Error>(json!({"paid": charge})))
+            .await
+    }
+}
+
+/// `idem keys history` of a durable charge abandoned in the middle of its outside call and
+/// finished by the resumer (SQLite): reserved, the step, the call started, the claim by the
+/// resumer, the call answered, the completion, in that order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn history_of_a_durable_key_resumed_after_a_crash() {
+    use idempotency::{durable::Operations, maintenance::Recovery};
+    use std::sync::{atomic::AtomicBool, Arc};
+    let file = test_support::fresh_sqlite();
+    let store = SqliteStore::connect(&file.url).await.unwrap();
+    store.migrate().await.unwrap();
+    let db = Db {
+        url: file.url.clone(),
+        store: AnyStore::Sqlite(store.clone()),
+        _file: Some(file),
+    };
+    let charge = SlowCharge {
+        answers: Arc::new(AtomicBool::new(false)),
+    };
+    let web = Idempotency::new(store.clone().with_worker_name("web-1"))
+        .with_lease(Duration::from_millis(300));
+    let worker = {
+        let (web, charge) = (web.clone(), charge.clone());
+        tokio::spawn(async move { web.perform(&charge, "alice", "k-1", &json!({"n": 1})).await })
+    };
+    let key = IdempotencyKey::new("alice", "charge", "k-1").unwrap();
+    let mut started = false;
+    for _ in 0..200 {
+        let history = idempotency::store::Maintenance::history(&store, &key, 100)
+            .await
+            .unwrap();
+        if history.iter().any(|e| e.kind.as_str() == "call_started") {
+            started = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert!(started, "the call never started");
+    worker.abort();
+    let _ = worker.await;
+    charge
+        .answers
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+
+    let resumer = store.clone().with_worker_name("resumer");
+    let engine = Idempotency::new(resumer.clone());
+    let recovery = Recovery::new(resumer).with_operations(engine, Operations::new().with(charge));
+    let mut completed = false;
+    for _ in 0..100 {
+        recovery.run_once().await.unwrap();
+        if db.json(&["keys", "show", "alice", "charge", "k-1", "--json"])["state"] == "completed" {
+            completed = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(completed, "the resumer did not finish");
+
+    let history = db.json(&["keys", "history", "alice", "charge", "k-1", "--json"]);
+    let events: Vec<(&str, &str)> = history
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| {
+            let actor = e["actor"].as_str().unwrap_or_default();
+            (e["kind"].as_str().unwrap(), actor)
+        })
+        .collect();
+    assert_eq!(
+        events,
+        [
+            ("reserved", "web-1"),
+            ("step_committed", "web-1"),
+            ("call_started", "web-1"),
+            ("claimed", "resumer"),
+            ("call_started", "resumer"),
+            ("call_answered", "resumer"),
+            ("completed", "resumer"),
+        ],
+        "{history:#}"
+    );
+    db.idem(&["keys", "history", "alice", "charge", "k-1"])
+        .success()
+        .stdout(
+            predicate::str::contains("claimed")
+                .and(predicate::str::contains("resumer"))
+                .and(predicate::str::contains("call_answered"))
+                .and(predicate::str::contains("ch_42")),
+        );
+}

@@ -15,3 +15,6 @@ CREATE TABLE IF NOT EXISTS idempotency_key_events (
 
 CREATE INDEX IF NOT EXISTS idempotency_key_events_key
     ON idempotency_key_events (scope, operation, idem_key, id);
+
+-- The purge looks for orphaned histories among the old events only.
+CREATE INDEX IF NOT EXISTS idempotency_key_events_at ON idempotency_key_events (at);

@@ -255,7 +255,10 @@ macro_rules! orphaned_events {
     ($cutoff:expr, $limit:expr) => {
         concat!(
             "SELECT e.id FROM idempotency_key_events e
-              WHERE NOT EXISTS (SELECT 1 FROM idempotency_keys k
+              WHERE e.at <= ",
+            $cutoff,
+            "
+                AND NOT EXISTS (SELECT 1 FROM idempotency_keys k
                                  WHERE k.scope = e.scope AND k.operation = e.operation
                                    AND k.idem_key = e.idem_key)
                 AND NOT EXISTS (SELECT 1 FROM idempotency_key_events n

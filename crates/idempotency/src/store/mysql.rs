@@ -805,21 +805,41 @@ impl MySqlStore {
             .await?
             .rows_affected();
         }
-        if chosen.len() < batch as usize {
-            // The last batch of this purge: sweep the orphaned histories too (through a derived
-            // table: MySQL cannot read the table a DELETE deletes from in its subquery).
-            sqlx::query(concat!(
-                "DELETE FROM idempotency_key_events WHERE id IN (SELECT id FROM (",
-                history::orphaned_events!("UTC_TIMESTAMP(3) - INTERVAL ? MICROSECOND", "?"),
-                ") AS orphans)"
-            ))
-            .bind(micros(history::ORPHAN_RETENTION))
-            .bind(i64::from(batch))
-            .execute(&mut *tx)
-            .await?;
-        }
         tx.commit().await?;
+        if chosen.len() < batch as usize {
+            // The last batch of this purge: sweep the orphaned histories too.
+            self.sweep_orphaned_events(batch).await?;
+        }
         Ok(deleted)
+    }
+
+    /// Deletes at most `batch` orphaned events ([`history::ORPHAN_RETENTION`]). They are found
+    /// by a consistent read, which locks nothing (a locking scan would hold gap locks that
+    /// concurrent appends wait for), then deleted by id, still old.
+    async fn sweep_orphaned_events(&self, batch: u32) -> Result<(), sqlx::Error> {
+        let retention = micros(history::ORPHAN_RETENTION);
+        let ids: Vec<u64> = sqlx::query_scalar(history::orphaned_events!(
+            "UTC_TIMESTAMP(3) - INTERVAL ? MICROSECOND",
+            "?"
+        ))
+        .bind(retention)
+        .bind(retention)
+        .bind(i64::from(batch))
+        .fetch_all(&self.pool)
+        .await?;
+        if ids.is_empty() {
+            return Ok(());
+        }
+        let list: Vec<String> = ids.iter().map(u64::to_string).collect();
+        sqlx::query(&format!(
+            "DELETE FROM idempotency_key_events
+              WHERE id IN ({}) AND at <= UTC_TIMESTAMP(3) - INTERVAL ? MICROSECOND",
+            list.join(", ")
+        ))
+        .bind(retention)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
     }
 }
 

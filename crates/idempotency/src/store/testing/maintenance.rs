@@ -296,3 +296,35 @@ pub async fn pages_after_a_cursor_visit_every_row_once<S: Maintenance>(
         );
     }
 }
+
+/// A plain local key (not external, not a durable operation) records nothing: reserved,
+/// completed and released without a single event, so its statements cost what they did.
+pub async fn a_plain_local_key_records_nothing<S>(store: S, _profile: Profile)
+where
+    S: Maintenance,
+    S::Database: BusinessTable,
+{
+    let name = store_name::<S>();
+    let idem = crate::Idempotency::new(store.clone());
+    let local = super::attempt("maintenance", &unique("local"), serde_json::json!({"n": 1}));
+    let outcome = super::purchase(&idem, &local, &unique("local-trial"), 1).await;
+    assert!(outcome.is_ok(), "{name}: {outcome:?}");
+    assert_eq!(
+        store.find(local.key()).await.unwrap().map(|r| r.state),
+        Some(KeyState::Completed),
+        "{name}"
+    );
+    let released = super::attempt("maintenance", &unique("local"), serde_json::json!({"n": 2}));
+    let crate::protocol::Reservation::Acquired(lease) = idem.reserve(&released).await.unwrap()
+    else {
+        panic!("{name}: a fresh key")
+    };
+    assert!(lease.release().await.unwrap(), "{name}");
+    for key in [local.key(), released.key()] {
+        let history = store.history(key, 100).await.expect("history");
+        assert!(
+            history.is_empty(),
+            "{name}: a local key recorded {history:?}"
+        );
+    }
+}

@@ -10,7 +10,7 @@
 //! | `journal` | [`Journal`](crate::store::Journal) | the statements of durable steps and recovery, fenced by the lease token |
 //! | `reserve_in_transaction` | [`ReserveInTransaction`](crate::store::ReserveInTransaction) | the single-transaction mode |
 //! | `completion_signal` | [`CompletionSignal`](crate::store::CompletionSignal) | waiting for a pending key to settle |
-//! | `maintenance` | [`Maintenance`](crate::store::Maintenance) | operator resolution and hand-back of parked keys, fenced on the row the operator saw, the key's history read back in order, and keyset paging of listings visiting every row once |
+//! | `maintenance` | [`Maintenance`](crate::store::Maintenance) | operator resolution and hand-back of parked keys, fenced on the row the operator saw, the key's history read back in order, plain local keys recording nothing, and keyset paging of listings visiting every row once |
 //!
 //! A scenario gets a fresh, migrated store from the function the macro is given (an `async fn`
 //! returning `Option<S>`; `None` skips the test, e.g. when no database server is configured),
@@ -557,6 +557,7 @@ macro_rules! __conformance_suite {
             a_hand_back_returns_the_key_to_the_resumer,
             the_history_reads_back_in_order,
             pages_after_a_cursor_visit_every_row_once,
+            a_plain_local_key_records_nothing,
         );
     };
     (completion_signal, $open:expr, $profile:expr) => {
