@@ -97,4 +97,6 @@ pub mod maintenance {
     pub use crate::retention::{Purge, PurgeReport};
     pub use crate::store::maintenance::{KeyFilter, KeyStats, Resolution, StateCount};
     pub use crate::worker::{MaintenanceWorker, WorkerHandle, WorkerReport};
+
+    pub mod signals;
 }
