@@ -259,6 +259,70 @@ pub(crate) fn record(span: &tracing::Span, outcome: &'static str) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::{
+        alloc::{GlobalAlloc, Layout, System},
+        cell::Cell,
+    };
+
+    /// The system allocator, counting the allocations of a thread while it is told to.
+    struct Counting;
+
+    thread_local! {
+        static COUNTING: Cell<bool> = const { Cell::new(false) };
+        static ALLOCATIONS: Cell<u64> = const { Cell::new(0) };
+    }
+
+    unsafe impl GlobalAlloc for Counting {
+        unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+            if COUNTING.with(Cell::get) {
+                ALLOCATIONS.with(|n| n.set(n.get() + 1));
+            }
+            unsafe { System.alloc(layout) }
+        }
+
+        unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+            unsafe { System.dealloc(ptr, layout) }
+        }
+    }
+
+    #[global_allocator]
+    static ALLOCATOR: Counting = Counting;
+
+    fn allocations_of(f: impl FnOnce()) -> u64 {
+        ALLOCATIONS.with(|n| n.set(0));
+        COUNTING.with(|c| c.set(true));
+        f();
+        COUNTING.with(|c| c.set(false));
+        ALLOCATIONS.with(Cell::get)
+    }
+
+    #[test]
+    fn a_span_without_a_subscriber_allocates_nothing() {
+        let key = crate::IdempotencyKey::new("user-1", "signals-span-op", "k-1").unwrap();
+        let open = || {
+            let span = phase_span!(SPAN_RESERVE, key);
+            record(&span, ACQUIRED);
+        };
+        open();
+        assert_eq!(allocations_of(open), 0);
+    }
+
+    #[test]
+    fn a_count_without_a_recorder_allocates_nothing() {
+        let operation = String::from("signals-alloc-op");
+        // The first count of a pair makes its labels, once for the process.
+        assert!(allocations_of(|| outcome(&operation, EXECUTED)) > 0);
+        assert!(allocations_of(|| step(&operation, STEP_COMMITTED)) > 0);
+        assert_eq!(
+            allocations_of(|| {
+                for _ in 0..1_000 {
+                    outcome(&operation, EXECUTED);
+                    step(&operation, STEP_COMMITTED);
+                }
+            }),
+            0
+        );
+    }
 
     #[test]
     fn labels_are_made_once_per_pair() {
