@@ -222,8 +222,16 @@ fn labels(operation: &str, outcome: &'static str) -> &'static [Label] {
     made
 }
 
-/// Adds one to the counter `name{operation, outcome}`.
-pub(crate) fn count(name: &'static str, operation: &str, outcome: &'static str) {
+/// Adds one to the counter `name{operation, outcome}` of the installed `metrics` recorder,
+/// without allocating: the label set of each `(operation, outcome)` is made once, at its first
+/// count, and kept for the process (at most [`MAX_OPERATIONS`] operations). For integrations
+/// (an HTTP layer, a queue adapter) that count their own outcomes per operation.
+///
+/// ```
+/// use idempotency::maintenance::signals;
+/// signals::count("idempotency_requests_total", "POST /orders", signals::EXECUTED);
+/// ```
+pub fn count(name: &'static str, operation: &str, outcome: &'static str) {
     let key = Key::from_static_parts(name, labels(operation, outcome));
     metrics::with_recorder(|recorder| recorder.register_counter(&key, &METADATA)).increment(1);
 }
