@@ -205,6 +205,31 @@ async fn span_tree_of_a_first_request_a_replay_and_a_durable_operation() {
     );
     assert_eq!(field(&tree[1], signals::FIELD_OPERATION), Some("order"));
 
+    // Local work that fails: reserve → work → release.
+    let declined = attempt("order", "k-2", "declined");
+    let failed = idem
+        .run(&declined, async |_tx| Err::<(), _>("card declined"))
+        .instrument(tracing::info_span!("failing"))
+        .await;
+    assert!(matches!(failed, Err(Error::Operation(_))));
+    let tree = spans.children("failing");
+    assert_eq!(
+        names(&tree),
+        [
+            signals::SPAN_RESERVE,
+            signals::SPAN_WORK,
+            signals::SPAN_RELEASE
+        ]
+    );
+    assert_eq!(
+        field(&tree[1], signals::FIELD_OUTCOME),
+        Some(signals::ERROR)
+    );
+    assert_eq!(
+        field(&tree[2], signals::FIELD_OUTCOME),
+        Some(signals::RELEASED)
+    );
+
     // A durable operation: reserve → step → call (with its provider key) → step (finish).
     let charged_with = Arc::new(Mutex::new(None));
     let purchase = Purchase {
