@@ -501,3 +501,39 @@ async fn counters_for_each_outcome_and_the_workers_gauges() {
         Some(&0.0)
     );
 }
+
+#[tokio::test]
+async fn the_running_worker_sets_the_gauges() {
+    // A subscriber, as in the counters' test (the callsites' interest is shared).
+    let _default =
+        tracing::subscriber::set_default(tracing_subscriber::registry().with(Spans::default()));
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let _local = metrics::set_default_local_recorder(&recorder);
+    let (store, _dir) = store().await;
+    let idem = Idempotency::new(store.clone());
+    let mail = attempt("mail", "m-1", "hello").with_effects(Effects::External);
+    let _ = idem
+        .run_with(
+            &mail,
+            |_: &String| Disposition::Park("mail provider timed out".into()),
+            async |_tx| Err::<(), _>("timed out".to_owned()),
+        )
+        .await;
+
+    let worker = MaintenanceWorker::new(store)
+        .with_interval(Duration::from_millis(10))
+        .with_stats_interval(Some(Duration::ZERO))
+        .spawn();
+    let needs_review = format!("{}{{}}", signals::NEEDS_REVIEW);
+    let mut seen = None;
+    for _ in 0..500 {
+        seen = snapshot(&snapshotter).get(&needs_review).copied();
+        if seen.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    worker.shutdown().await;
+    assert_eq!(seen, Some(1.0));
+}
