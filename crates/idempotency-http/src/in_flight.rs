@@ -43,6 +43,7 @@
 
 use futures_util::future::BoxFuture;
 use idempotency::{
+    maintenance::signals,
     protocol::Reservation,
     store::{Awaited, CompletionSignal},
     Attempt, Error, Fingerprint, Idempotency, IdempotencyKey, Store, StoreError,
@@ -53,6 +54,7 @@ use std::{
     time::{Duration, Instant},
 };
 use tokio::sync::Notify;
+use tracing::Instrument;
 
 /// The counter of waits for a request in flight.
 ///
@@ -72,9 +74,12 @@ pub const WAIT_FAILED: &str = "failed";
 /// The smallest millisecond hint given (a floor against clients hammering a key).
 pub const MIN_HINT: Duration = Duration::from_millis(10);
 
+/// Counts a wait's end, and records it as the outcome of its span
+/// ([`SPAN_WAIT`](idempotency::maintenance::signals::SPAN_WAIT)).
 fn count(operation: &str, result: &'static str) {
     ::metrics::counter!(WAITS_TOTAL, "operation" => operation.to_owned(), "result" => result)
         .increment(1);
+    tracing::Span::current().record(signals::FIELD_OUTCOME, result);
 }
 
 /// A layer's wait for requests in flight: its bound, and the store's [`CompletionSignal`]
@@ -159,15 +164,33 @@ pub(crate) async fn reserve<S: Store>(
     operation: &str,
 ) -> Result<Reservation<S>, Error> {
     let reserved = engine.reserve(attempt).await;
-    let Some((bound, signal)) = wait
-        .filter(|wait| !wait.bound.is_zero())
-        .map(|wait| (wait.bound, &wait.signal))
-    else {
+    let Some(wait) = wait.filter(|wait| !wait.bound.is_zero()) else {
         return reserved;
     };
     if !matches!(reserved, Err(Error::InProgress { .. })) {
         return reserved;
     }
+    let span = tracing::debug_span!(
+        signals::SPAN_WAIT,
+        scope = attempt.key().scope(),
+        operation = attempt.key().operation(),
+        outcome = tracing::field::Empty,
+    );
+    wait_and_reserve(engine, attempt, wait, reserved, waiters, operation)
+        .instrument(span)
+        .await
+}
+
+/// The wait of [`reserve`], for a key found in progress (`reserved`), at most the bound in all.
+async fn wait_and_reserve<S: Store>(
+    engine: &Idempotency<S>,
+    attempt: &Attempt,
+    wait: &InFlightWait<S>,
+    reserved: Result<Reservation<S>, Error>,
+    waiters: &Waiters,
+    operation: &str,
+) -> Result<Reservation<S>, Error> {
+    let (bound, signal) = (wait.bound, &wait.signal);
     let deadline = Instant::now() + bound;
     let mut reserved = reserved;
     let local = waiters.subscribe(attempt.key());

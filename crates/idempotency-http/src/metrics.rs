@@ -3,7 +3,10 @@
 //! `operation` is the key's operation (by default `METHOD /route/{template}`, so its values are
 //! as few as the routes).
 //!
-//! Install any `metrics` recorder (Prometheus exporter …) to collect it. Outcomes:
+//! Install any `metrics` recorder (Prometheus exporter …) to collect it. It counts HTTP answers,
+//! including those the engine never sees (400, 401, 413, 503); the engine's own counters and
+//! gauges, per attempt whatever the transport, are those of
+//! [`idempotency::maintenance::signals`]. Outcomes:
 //!
 //! | outcome | meaning |
 //! |---|---|
@@ -51,7 +54,7 @@ pub const UNPROTECTED: &str = "unprotected";
 /// See the module table.
 pub const SETTLED_BY_HANDLER: &str = "settled_by_handler";
 
+/// Counts one request (through the core's counting, which allocates nothing per count).
 pub(crate) fn count(operation: &str, outcome: &'static str) {
-    ::metrics::counter!(REQUESTS_TOTAL, "operation" => operation.to_owned(), "outcome" => outcome)
-        .increment(1);
+    idempotency::maintenance::signals::count(REQUESTS_TOTAL, operation, outcome);
 }

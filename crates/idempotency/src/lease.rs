@@ -3,6 +3,7 @@
 use crate::{
     error::{Error, StoreError},
     heartbeat::Heartbeat,
+    maintenance::signals,
     replay_cache::ReplayCache,
     store::{history::EventKind, Effects, KeyRecord, LeaseToken, Store},
     Fingerprint, IdempotencyKey,
@@ -11,6 +12,7 @@ use std::{
     sync::Arc,
     time::{Duration, Instant},
 };
+use tracing::Instrument;
 
 /// The right to run the work for one key, until the lease ends.
 ///
@@ -131,6 +133,27 @@ impl<S: Store> Lease<S> {
     /// (a lost COMMIT acknowledgement may hide a commit that happened).
     pub async fn finish(
         mut self,
+        tx: sqlx::Transaction<'static, S::Database>,
+        result: &[u8],
+    ) -> Result<(), Error> {
+        let span = signals::phase_span!(signals::SPAN_COMPLETE, self.key);
+        let finished = self.finish_once(tx, result).instrument(span.clone()).await;
+        let outcome = match &finished {
+            Ok(()) => signals::EXECUTED,
+            Err(Error::LeaseLost) => signals::LEASE_LOST,
+            Err(_) => {
+                signals::record(&span, signals::ERROR);
+                return finished;
+            }
+        };
+        signals::record(&span, outcome);
+        signals::outcome(self.key.operation(), outcome);
+        finished
+    }
+
+    /// [`finish`](Self::finish), without its span and counts. Every path disarms the lease.
+    async fn finish_once(
+        &mut self,
         mut tx: sqlx::Transaction<'static, S::Database>,
         result: &[u8],
     ) -> Result<(), Error> {
@@ -192,16 +215,33 @@ impl<S: Store> Lease<S> {
         if self.releases_nothing() {
             return Ok(false);
         }
-        self.store_release().await
+        self.release_fenced().await
     }
 
-    /// Releases through the store, with a `released` event for a key that records a history.
-    async fn store_release(&self) -> Result<bool, StoreError> {
-        if self.records_history {
-            self.store.release_recorded(&self.key, self.token).await
+    /// The store's fenced release (with a `released` event for a key that records a history),
+    /// in its span, counted when it released.
+    async fn release_fenced(&self) -> Result<bool, StoreError> {
+        let span = signals::phase_span!(signals::SPAN_RELEASE, self.key);
+        let released = if self.records_history {
+            self.store
+                .release_recorded(&self.key, self.token)
+                .instrument(span.clone())
+                .await
         } else {
-            self.store.release(&self.key, self.token).await
+            self.store
+                .release(&self.key, self.token)
+                .instrument(span.clone())
+                .await
+        };
+        match released {
+            Ok(true) => {
+                signals::record(&span, signals::RELEASED);
+                signals::outcome(self.key.operation(), signals::RELEASED);
+            }
+            Ok(false) => signals::record(&span, signals::LEASE_LOST),
+            Err(_) => signals::record(&span, signals::ERROR),
         }
+        released
     }
 
     /// For a key that records a history: appends a `lease_lost` event (actor: this holder) in a
@@ -241,6 +281,7 @@ impl<S: Store> Lease<S> {
     /// ```
     pub fn leave_pending(mut self) {
         self.disarm();
+        signals::outcome(self.key.operation(), signals::LEFT_PENDING);
         tracing::warn!(key = %self.key, "outcome unknown; the key stays pending for the recovery job");
     }
 
@@ -252,19 +293,24 @@ impl<S: Store> Lease<S> {
         if self.in_transaction {
             return Ok(false);
         }
-        if self.records_history {
-            return self
-                .store
+        let parked = if self.records_history {
+            self.store
                 .park_recorded(&self.key, self.token, reason)
-                .await;
+                .await
+        } else {
+            self.store.park(&self.key, self.token, reason).await
+        };
+        if let Ok(true) = parked {
+            signals::outcome(self.key.operation(), signals::PARKED);
         }
-        self.store.park(&self.key, self.token, reason).await
+        parked
     }
 
     /// The work was abandoned (panic): release a local key, leave an external one pending.
     pub(crate) async fn abandon(&mut self) {
         if self.effects == Effects::External {
             self.disarm();
+            signals::outcome(self.key.operation(), signals::LEFT_PENDING);
             tracing::warn!(key = %self.key, "external work abandoned; the key stays pending for the recovery job");
             return;
         }
@@ -276,7 +322,7 @@ impl<S: Store> Lease<S> {
         if self.releases_nothing() {
             return;
         }
-        if let Err(error) = self.store_release().await {
+        if let Err(error) = self.release_fenced().await {
             tracing::warn!(%error, key = %self.key, "could not release idempotency key; it stays pending until its lease ends");
         }
     }
@@ -299,8 +345,10 @@ impl<S: Store> Lease<S> {
                     } else {
                         store.release(&key, token).await
                     };
-                    if let Err(error) = released {
-                        tracing::warn!(%error, %key, "could not release abandoned idempotency key");
+                    match released {
+                        Ok(true) => signals::outcome(key.operation(), signals::RELEASED),
+                        Ok(false) => {}
+                        Err(error) => tracing::warn!(%error, %key, "could not release abandoned idempotency key"),
                     }
                 });
             }
@@ -317,6 +365,7 @@ impl<S: Store> Drop for Lease<S> {
             return;
         }
         if self.effects == Effects::External {
+            signals::outcome(self.key.operation(), signals::LEFT_PENDING);
             tracing::warn!(key = %self.key, "external work abandoned (cancelled); the key stays pending for the recovery job");
             return;
         }

@@ -98,4 +98,6 @@ pub mod maintenance {
     pub use crate::store::history::{EventKind, KeyEvent, OperatorNote};
     pub use crate::store::maintenance::{KeyCursor, KeyFilter, KeyStats, Resolution, StateCount};
     pub use crate::worker::{MaintenanceWorker, WorkerHandle, WorkerReport};
+
+    pub mod signals;
 }

@@ -3,6 +3,7 @@
 use crate::{
     error::{Error, PerformError, StepError},
     lease::Lease,
+    maintenance::signals,
     protocol::{Attempt, Idempotency, Reservation},
     steps::{Finished, Settlement, Steps},
     store::{Effects, Journal, KeyRecord},
@@ -308,9 +309,12 @@ impl<S: Journal> Idempotency<S> {
             .await
             .map_err(PerformError::Reserve)?
         {
-            Reservation::Completed(bytes) => serde_json::from_slice(&bytes)
-                .map(Outcome::Replayed)
-                .map_err(|e| PerformError::Reserve(Error::Serialization(e))),
+            Reservation::Completed(bytes) => {
+                let _replay = signals::phase_span!(signals::SPAN_REPLAY, attempt.key()).entered();
+                serde_json::from_slice(&bytes)
+                    .map(Outcome::Replayed)
+                    .map_err(|e| PerformError::Reserve(Error::Serialization(e)))
+            }
             Reservation::Acquired(lease) => self
                 .perform_reserved(operation, lease, request)
                 .await

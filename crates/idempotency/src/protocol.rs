@@ -23,6 +23,7 @@ use crate::{
     error::{BoxError, Error, StoreError},
     heartbeat::Heartbeat,
     lease::Lease,
+    maintenance::signals,
     recent_replays::RecentReplays,
     replay_cache::ReplayCache,
     steps::StepPolicy,
@@ -35,6 +36,7 @@ use crate::{
 use futures_util::{future::BoxFuture, FutureExt};
 use serde::{de::DeserializeOwned, Serialize};
 use std::{panic::AssertUnwindSafe, sync::Arc, time::Duration};
+use tracing::Instrument;
 
 /// How many times a reservation is retried when the row it conflicted with vanished meanwhile.
 const RESERVE_ATTEMPTS: u32 = 8;
@@ -549,17 +551,28 @@ impl<S: Store> Idempotency<S> {
     /// is in flight (a client hung up), the task finishes it and releases a key it reserved, so
     /// no key is left pending without a holder until its lease ends.
     pub async fn reserve(&self, attempt: &Attempt) -> Result<Reservation<S>, Error> {
+        let span = signals::phase_span!(signals::SPAN_RESERVE, attempt.key);
+        let reserved = self.reserve_once(attempt).instrument(span.clone()).await;
+        noted_reservation(&span, &attempt.key, &reserved);
+        reserved
+    }
+
+    /// [`reserve`](Self::reserve), without its span and counts.
+    async fn reserve_once(&self, attempt: &Attempt) -> Result<Reservation<S>, Error> {
         if let Some(result) = self.replay_before_insert(attempt).await? {
             return Ok(Reservation::Completed(result));
         }
         let (answer_tx, answer_rx) = tokio::sync::oneshot::channel();
         let (engine, attempt) = (self.clone(), attempt.clone());
-        tokio::spawn(async move {
-            let answer = engine.insert_or_read(&attempt).await;
-            // If the caller is gone, the answer is dropped here (or in the channel, if the caller
-            // goes between this send and its receipt), and `Unclaimed` releases the key.
-            let _ = answer_tx.send(Unclaimed(Some(answer)));
-        });
+        tokio::spawn(
+            async move {
+                let answer = engine.insert_or_read(&attempt).await;
+                // If the caller is gone, the answer is dropped here (or in the channel, if the
+                // caller goes between this send and its receipt), and `Unclaimed` releases the key.
+                let _ = answer_tx.send(Unclaimed(Some(answer)));
+            }
+            .in_current_span(),
+        );
         match answer_rx.await {
             Ok(mut unclaimed) => {
                 let answer = unclaimed.0.take().expect("claimed once");
@@ -603,6 +616,30 @@ impl<S: Store> Idempotency<S> {
     /// The single-transaction reservation. `None` when the key has a committed row: the caller
     /// answers it the article's way.
     async fn reserve_in_transaction(
+        &self,
+        attempt: &Attempt,
+        wait: Duration,
+    ) -> Result<Option<Begun<S>>, Error> {
+        let span = signals::phase_span!(signals::SPAN_RESERVE, attempt.key);
+        let reserved = self
+            .reserve_in_transaction_once(attempt, wait)
+            .instrument(span.clone())
+            .await;
+        match &reserved {
+            Ok(Some(Begun::Acquired(..))) => signals::record(&span, signals::ACQUIRED),
+            Ok(Some(Begun::Completed(_))) => {
+                signals::record(&span, signals::REPLAYED);
+                signals::outcome(attempt.key.operation(), signals::REPLAYED);
+            }
+            // Reserved again the article's way, under a span of its own.
+            Ok(None) => {}
+            Err(error) => noted_refusal(&span, &attempt.key, error),
+        }
+        reserved
+    }
+
+    /// [`reserve_in_transaction`](Self::reserve_in_transaction), without its span and counts.
+    async fn reserve_in_transaction_once(
         &self,
         attempt: &Attempt,
         wait: Duration,
@@ -1064,7 +1101,19 @@ impl<S: Store> Idempotency<S> {
             Started::Replayed(stored) => return Ok(Outcome::Replayed(stored)),
             Started::Acquired(lease, tx) => (lease, tx),
         };
-        let ran = AssertUnwindSafe(work(&mut tx)).catch_unwind().await;
+        let span = signals::phase_span!(signals::SPAN_WORK, attempt.key);
+        let ran = AssertUnwindSafe(work(&mut tx))
+            .catch_unwind()
+            .instrument(span.clone())
+            .await;
+        signals::record(
+            &span,
+            match &ran {
+                Ok(Ok(_)) => signals::EXECUTED,
+                _ => signals::ERROR,
+            },
+        );
+        drop(span);
         self.settle(attempt, lease, tx, ran, on_error).await
     }
 
@@ -1078,6 +1127,7 @@ impl<S: Store> Idempotency<S> {
         // the business transaction); 2. the business transaction the work runs in.
         match self.begin_reserved(attempt).await.map_err(Error::widen)? {
             Begun::Completed(bytes) => {
+                let _replay = signals::phase_span!(signals::SPAN_REPLAY, attempt.key).entered();
                 let stored = serde_json::from_slice(&bytes).map_err(Error::Serialization)?;
                 Ok(Started::Replayed(stored))
             }
@@ -1156,4 +1206,37 @@ impl<S: Store> Idempotency<S> {
         lease.finish(tx, &bytes).await.map_err(Error::widen)?;
         Ok(Outcome::Executed(value))
     }
+}
+
+/// Records a reservation's answer on its span and counts a refusal or a replay (an acquired key
+/// is counted when it is settled).
+fn noted_reservation<S: Store>(
+    span: &tracing::Span,
+    key: &IdempotencyKey,
+    reserved: &Result<Reservation<S>, Error>,
+) {
+    match reserved {
+        Ok(Reservation::Acquired(_)) => signals::record(span, signals::ACQUIRED),
+        Ok(Reservation::Completed(_)) => {
+            signals::record(span, signals::REPLAYED);
+            signals::outcome(key.operation(), signals::REPLAYED);
+        }
+        Err(error) => noted_refusal(span, key, error),
+    }
+}
+
+/// Records and counts a reservation refused.
+fn noted_refusal(span: &tracing::Span, key: &IdempotencyKey, error: &Error) {
+    let outcome = match error {
+        Error::InProgress { .. } => signals::CONFLICT,
+        Error::KeyReused => signals::MISMATCH,
+        Error::NeedsReview => signals::NEEDS_REVIEW_OUTCOME,
+        Error::LeaseLost => signals::LEASE_LOST,
+        _ => {
+            signals::record(span, signals::ERROR);
+            return;
+        }
+    };
+    signals::record(span, outcome);
+    signals::outcome(key.operation(), outcome);
 }

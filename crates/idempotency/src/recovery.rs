@@ -2,6 +2,7 @@
 
 use crate::{
     error::{PerformError, StoreError},
+    maintenance::signals,
     operation::{Operations, Resumed},
     protocol::Idempotency,
     steps::Settlement,
@@ -377,6 +378,7 @@ impl<S: Maintenance + Journal, R: Resolver> Recovery<S, R> {
             .await?
         {
             report.skipped += 1;
+            signals::count(signals::RECOVERED_TOTAL, key.operation(), signals::SKIPPED);
             return Ok(());
         }
         // From here on we hold the key with `token`; every write below is conditional on it.
@@ -393,6 +395,7 @@ impl<S: Maintenance + Journal, R: Resolver> Recovery<S, R> {
             Effects::External => self.settle_external(record, token).await?,
         };
         report.note(recovered, done);
+        recovered.count(key, done);
         tracing::debug!(%key, effects = %record.effects, ?recovered, done, "idempotency key recovered");
         Ok(())
     }
@@ -409,6 +412,7 @@ impl<S: Maintenance + Journal, R: Resolver> Recovery<S, R> {
         // Resume from the row as of the claim (see `Idempotency::claimed_row`).
         let Some(claimed) = engine.claimed_row(key, token).await? else {
             report.note(Recovered::Unknown, false);
+            Recovered::Unknown.count(key, false);
             return Ok(());
         };
         let lease = engine.claimed_lease(&claimed, token);
@@ -425,6 +429,7 @@ impl<S: Maintenance + Journal, R: Resolver> Recovery<S, R> {
             Err(_unused) => unreachable!("the operation is registered"),
         };
         report.note(recovered, done);
+        recovered.count(key, done);
         tracing::debug!(%key, ?recovered, done, "durable operation resumed");
         Ok(())
     }
@@ -544,6 +549,21 @@ enum Recovered {
     Failed,
     Parked,
     Unknown,
+}
+
+impl Recovered {
+    /// Counts what recovery did with `key` ([`signals::RECOVERED_TOTAL`]).
+    fn count(self, key: &IdempotencyKey, done: bool) {
+        let outcome = match (done, self) {
+            (false, _) => signals::SKIPPED,
+            (true, Recovered::Released) => signals::RELEASED,
+            (true, Recovered::Completed) => signals::SETTLED_COMPLETED,
+            (true, Recovered::Failed) => signals::SETTLED_FAILED,
+            (true, Recovered::Parked) => signals::PARKED,
+            (true, Recovered::Unknown) => signals::UNKNOWN,
+        };
+        signals::count(signals::RECOVERED_TOTAL, key.operation(), outcome);
+    }
 }
 
 impl RecoveryReport {

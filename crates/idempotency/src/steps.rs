@@ -4,6 +4,7 @@ use crate::{
     error::{BoxError, PerformError, StepError},
     fingerprint::canonical_json,
     lease::{append_on_its_own, Lease},
+    maintenance::signals,
     store::{
         history::{self, EventKind},
         Journal as JournalStore, KeyRecord, Progress, Store,
@@ -17,6 +18,7 @@ use std::{
     future::Future,
     time::Duration,
 };
+use tracing::Instrument;
 
 /// The largest request (canonical JSON) a durable operation stores with its key: 64 KiB.
 pub const MAX_STORED_REQUEST: usize = 64 * 1024;
@@ -442,6 +444,28 @@ impl<S: JournalStore> Steps<S> {
         if let Some(output) = self.recorded(name)? {
             return Ok(output);
         }
+        let span = tracing::debug_span!(
+            signals::SPAN_STEP,
+            scope = self.key().scope(),
+            operation = self.key().operation(),
+            step = name,
+            outcome = tracing::field::Empty,
+        );
+        let done = self.run_local(name, work).instrument(span.clone()).await;
+        if done.is_ok() {
+            signals::step(self.key().operation(), signals::STEP_COMMITTED);
+        }
+        signals::record(&span, outcome_of(&done, signals::STEP_COMMITTED));
+        done
+    }
+
+    /// [`local`](Self::local) once the step is not in the journal, without its span and counts.
+    async fn run_local<T, E, F>(&mut self, name: &str, work: F) -> Result<T, StepError>
+    where
+        T: Serialize + DeserializeOwned + Send,
+        E: Into<BoxError> + Send,
+        F: for<'c> AsyncFnOnce(&mut sqlx::Transaction<'c, S::Database>) -> Result<T, E> + Send,
+    {
         let mut tx = self.store().begin().await?;
         let output = match work(&mut tx).await {
             Ok(output) => output,
@@ -499,12 +523,53 @@ impl<S: JournalStore> Steps<S> {
         if let Some(output) = self.recorded(name)? {
             return Ok(output);
         }
+        let key = self.provider_key(name);
+        let span = tracing::debug_span!(
+            signals::SPAN_CALL,
+            scope = self.key().scope(),
+            operation = self.key().operation(),
+            step = name,
+            provider_key = key.as_str(),
+            outcome = tracing::field::Empty,
+        );
+        let answered = self
+            .call_keyed(name, key, call, lookup)
+            .instrument(span.clone())
+            .await;
+        signals::record(&span, self.noted_call(&answered));
+        answered
+    }
+
+    /// Counts the end of an outside call, and answers its span's outcome.
+    fn noted_call<T>(&self, answered: &Result<T, StepError>) -> &'static str {
+        let outcome = outcome_of(answered, signals::CALL_ANSWERED);
+        if matches!(outcome, signals::CALL_ANSWERED | signals::CALL_FAILED) {
+            signals::step(self.key().operation(), outcome);
+        }
+        outcome
+    }
+
+    /// [`call`](Self::call) once the step is not in the journal, under provider key `key`,
+    /// without its span and counts.
+    async fn call_keyed<T, C, CF, L, LF>(
+        &mut self,
+        name: &str,
+        key: String,
+        call: C,
+        lookup: L,
+    ) -> Result<T, StepError>
+    where
+        T: Serialize + DeserializeOwned + Send,
+        C: Fn(String) -> CF + Send,
+        CF: Future<Output = Result<T, CallError>> + Send,
+        L: Fn(String) -> LF + Send,
+        LF: Future<Output = Lookup<T>> + Send,
+    {
         if !self.request_stored {
             // Nothing is recorded yet: record the request before the first outside call, so the
             // key can never be released after a call was made.
             self.save_now(&format!("{name}: calling")).await?;
         }
-        let key = self.provider_key(name);
         let mut ask_first = self.resumed;
         let mut calls = 0;
         loop {
@@ -516,6 +581,7 @@ impl<S: JournalStore> Steps<S> {
                     }
                     Lookup::NotDone => {}
                     Lookup::Unknown(reason) => {
+                        signals::step(self.key().operation(), signals::CALL_UNKNOWN);
                         let detail = format!("{key} {name}: {reason}");
                         self.append_now(EventKind::CallUnknown, &detail).await;
                         return Err(self.unknown(&format!("{name}: {reason}")).await);
@@ -542,6 +608,7 @@ impl<S: JournalStore> Steps<S> {
                     })
                 }
                 Err(CallError::Unknown(reason)) => {
+                    signals::step(self.key().operation(), signals::CALL_UNKNOWN);
                     tracing::debug!(key = %self.key(), step = name, %reason, "outside call unanswered; asking the provider");
                     let detail = format!("{key} {name}: {reason}");
                     self.append_now(EventKind::CallUnknown, &detail).await;
@@ -585,6 +652,30 @@ impl<S: JournalStore> Steps<S> {
         if let Some(output) = self.recorded(name)? {
             return Ok(output);
         }
+        let span = tracing::debug_span!(
+            signals::SPAN_CALL,
+            scope = self.key().scope(),
+            operation = self.key().operation(),
+            step = name,
+            provider_key = tracing::field::Empty,
+            outcome = tracing::field::Empty,
+        );
+        let answered = self
+            .call_unkeyed_once(name, call)
+            .instrument(span.clone())
+            .await;
+        signals::record(&span, self.noted_call(&answered));
+        answered
+    }
+
+    /// [`call_unkeyed`](Self::call_unkeyed) once the step is not in the journal, without its
+    /// span and counts.
+    async fn call_unkeyed_once<T, C, CF>(&mut self, name: &str, call: C) -> Result<T, StepError>
+    where
+        T: Serialize + DeserializeOwned + Send,
+        C: FnOnce() -> CF + Send,
+        CF: Future<Output = Result<T, CallError>> + Send,
+    {
         if self.journal.started.contains(name) {
             let reason = format!("{name}: started by an earlier run, and the provider has no idempotency keys: whether it took effect is unknown");
             return Err(self.park(&reason).await);
@@ -609,6 +700,7 @@ impl<S: JournalStore> Steps<S> {
                 })
             }
             Err(CallError::Unknown(reason)) => {
+                signals::step(self.key().operation(), signals::CALL_UNKNOWN);
                 let reason = format!("{name}: {reason}; the provider has no idempotency keys");
                 Err(self.park(&reason).await)
             }
@@ -623,7 +715,38 @@ impl<S: JournalStore> Steps<S> {
         E: Into<BoxError> + Send,
         F: for<'c> AsyncFnOnce(&mut sqlx::Transaction<'c, S::Database>) -> Result<R, E> + Send,
     {
-        self.settle("completed", Settlement::Completed, work).await
+        let span = self.settle_span("finish");
+        let finished = self
+            .settle("completed", Settlement::Completed, work)
+            .instrument(span.clone())
+            .await;
+        self.noted_settlement(&span, &finished, signals::SETTLED_COMPLETED);
+        finished
+    }
+
+    /// The span of the last step, `finish` or `fail`.
+    fn settle_span(&self, step: &'static str) -> tracing::Span {
+        tracing::debug_span!(
+            signals::SPAN_STEP,
+            scope = self.key().scope(),
+            operation = self.key().operation(),
+            step,
+            outcome = tracing::field::Empty,
+        )
+    }
+
+    /// Counts a settlement (a step, and the key's completion) and records it on its span.
+    fn noted_settlement<R>(
+        &self,
+        span: &tracing::Span,
+        finished: &Result<Finished<R>, StepError>,
+        settled: &'static str,
+    ) {
+        if finished.is_ok() {
+            signals::step(self.key().operation(), settled);
+            signals::outcome(self.key().operation(), signals::EXECUTED);
+        }
+        signals::record(span, outcome_of(finished, settled));
     }
 
     /// Settles the operation as **failed**: runs the compensating `work` (refund a debit, cancel
@@ -636,7 +759,13 @@ impl<S: JournalStore> Steps<S> {
         F: for<'c> AsyncFnOnce(&mut sqlx::Transaction<'c, S::Database>) -> Result<R, E> + Send,
     {
         let point = format!("failed: {reason}");
-        self.settle(&point, Settlement::Failed, work).await
+        let span = self.settle_span("fail");
+        let finished = self
+            .settle(&point, Settlement::Failed, work)
+            .instrument(span.clone())
+            .await;
+        self.noted_settlement(&span, &finished, signals::SETTLED_FAILED);
+        finished
     }
 
     async fn settle<R, E, F>(
@@ -727,6 +856,8 @@ impl<S: JournalStore> Steps<S> {
             Ok(true) => {
                 self.unknown_so_far = attempts;
                 self.lease.disarm();
+                signals::step(self.key().operation(), signals::LEFT_PENDING);
+                signals::outcome(self.key().operation(), signals::LEFT_PENDING);
                 tracing::info!(key = %self.key(), %reason, attempts, "durable operation pending; the resumer carries it on");
                 StepError::Pending {
                     retry_after,
@@ -749,6 +880,8 @@ impl<S: JournalStore> Steps<S> {
         match parked {
             Ok(true) => {
                 self.lease.disarm();
+                signals::step(self.key().operation(), signals::PARKED);
+                signals::outcome(self.key().operation(), signals::PARKED);
                 tracing::warn!(key = %self.key(), %reason, "durable operation parked for review");
                 StepError::Parked {
                     reason: reason.to_owned(),
@@ -790,6 +923,18 @@ impl<S: JournalStore> Steps<S> {
                 }
             }
         }
+    }
+}
+
+/// The span outcome of a step that answered `answered`: `done` when it succeeded.
+fn outcome_of<T>(answered: &Result<T, StepError>, done: &'static str) -> &'static str {
+    match answered {
+        Ok(_) => done,
+        Err(StepError::Declined { .. } | StepError::NotDone { .. }) => signals::CALL_FAILED,
+        Err(StepError::Pending { .. }) => signals::LEFT_PENDING,
+        Err(StepError::Parked { .. }) => signals::PARKED,
+        Err(StepError::LeaseLost) => signals::LEASE_LOST,
+        Err(_) => signals::ERROR,
     }
 }
 

@@ -1,12 +1,18 @@
 //! [`MaintenanceWorker`]: the one background task a service starts to keep its keys healthy.
 
 use crate::{
+    maintenance::signals,
     operation::Operations,
     protocol::Idempotency,
     recovery::{NoResolver, Recovery, RecoveryReport, Resolver},
-    store::{Journal, Maintenance},
+    store::{maintenance::KeyStats, Journal, KeyState, Maintenance},
 };
-use std::{fmt, time::Duration};
+use std::{
+    collections::BTreeSet,
+    fmt,
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
 use tokio::{sync::oneshot, task::JoinHandle};
 
 /// What a worker did over its life.
@@ -47,8 +53,9 @@ impl fmt::Display for WorkerReport {
 ///    resolver or are parked;
 /// 2. **purges** expired keys in bounded batches (at most [`with_purge_batches`] batches of
 ///    [`with_purge_batch`] rows per pass, so a backlog never makes one pass long);
-/// 3. logs what it did at `debug` (and the table's statistics, when `debug` is enabled), never at
-///    `info` on a quiet pass.
+/// 3. logs what it did at `debug`, never at `info` on a quiet pass;
+/// 4. every [`with_stats_interval`] (15 s by default), reads the table's statistics and sets the
+///    gauges of [`signals`](crate::maintenance::signals) ([`export_stats`]).
 ///
 /// ```no_run
 /// # #[cfg(feature = "sqlite")]
@@ -65,12 +72,17 @@ impl fmt::Display for WorkerReport {
 ///
 /// [`with_purge_batches`]: MaintenanceWorker::with_purge_batches
 /// [`with_purge_batch`]: MaintenanceWorker::with_purge_batch
+/// [`with_stats_interval`]: MaintenanceWorker::with_stats_interval
+/// [`export_stats`]: MaintenanceWorker::export_stats
 #[derive(Debug, Clone)]
 pub struct MaintenanceWorker<S: Maintenance + Journal, R = NoResolver> {
     recovery: Recovery<S, R>,
     interval: Duration,
     purge_batch: u32,
     purge_batches: u32,
+    stats_interval: Option<Duration>,
+    /// The operations whose `idempotency_keys` gauges were set, to zero them when their rows go.
+    exported: Arc<Mutex<BTreeSet<String>>>,
 }
 
 impl<S: Maintenance + Journal> MaintenanceWorker<S, NoResolver> {
@@ -82,6 +94,8 @@ impl<S: Maintenance + Journal> MaintenanceWorker<S, NoResolver> {
             interval: Duration::from_secs(1),
             purge_batch: 1_000,
             purge_batches: 10,
+            stats_interval: Some(Duration::from_secs(15)),
+            exported: Arc::default(),
         }
     }
 }
@@ -103,6 +117,8 @@ impl<S: Maintenance + Journal, R: Resolver> MaintenanceWorker<S, R> {
             interval: self.interval,
             purge_batch: self.purge_batch,
             purge_batches: self.purge_batches,
+            stats_interval: self.stats_interval,
+            exported: self.exported,
         }
     }
 
@@ -122,6 +138,71 @@ impl<S: Maintenance + Journal, R: Resolver> MaintenanceWorker<S, R> {
     pub fn with_purge_batches(mut self, batches: u32) -> Self {
         self.purge_batches = batches;
         self
+    }
+
+    /// How often the running worker reads [`Maintenance::stats`] and sets the gauges of
+    /// [`signals`](crate::maintenance::signals) (default every 15 s, at the end of a pass;
+    /// `None` turns it off). The statistics count the table's rows, so keep this well above a
+    /// pass on a large table.
+    ///
+    /// ```
+    /// # #[cfg(feature = "sqlite")]
+    /// # async fn demo(store: idempotency::SqliteStore) {
+    /// use idempotency::maintenance::MaintenanceWorker;
+    /// use std::time::Duration;
+    /// let worker = MaintenanceWorker::new(store).with_stats_interval(Some(Duration::from_secs(60)));
+    /// # }
+    /// ```
+    pub fn with_stats_interval(mut self, every: Option<Duration>) -> Self {
+        self.stats_interval = every;
+        self
+    }
+
+    /// Reads [`Maintenance::stats`] and sets the gauges of
+    /// [`signals`](crate::maintenance::signals): keys by operation and state, needs review,
+    /// the oldest pending key's age, keys past their lease. Every state of every operation seen
+    /// is set, to zero when it has no rows. Returns the statistics read.
+    ///
+    /// ```
+    /// # #[cfg(feature = "sqlite")]
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), idempotency::StoreError> {
+    /// use idempotency::{SqliteStore, Store, maintenance::MaintenanceWorker};
+    /// let store = SqliteStore::connect("sqlite::memory:").await?;
+    /// store.migrate().await?;
+    /// let stats = MaintenanceWorker::new(store).export_stats().await?;
+    /// assert_eq!(stats.total(), 0);
+    /// # Ok(()) }
+    /// # #[cfg(not(feature = "sqlite"))]
+    /// # fn main() {}
+    /// ```
+    pub async fn export_stats(&self) -> Result<KeyStats, crate::StoreError> {
+        let stats = self.recovery.store().stats().await?;
+        let mut exported = self.exported.lock().unwrap_or_else(|e| e.into_inner());
+        exported.extend(stats.counts.iter().map(|c| c.operation.clone()));
+        for operation in exported.iter() {
+            for state in KeyState::ALL {
+                let count = stats
+                    .counts
+                    .iter()
+                    .find(|c| c.state == state && &c.operation == operation)
+                    .map_or(0, |c| c.count);
+                metrics::gauge!(
+                    signals::KEYS,
+                    signals::LABEL_OPERATION => operation.clone(),
+                    signals::LABEL_STATE => state.as_str()
+                )
+                .set(count as f64);
+            }
+        }
+        metrics::gauge!(signals::NEEDS_REVIEW).set(stats.in_state(KeyState::NeedsReview) as f64);
+        metrics::gauge!(signals::OLDEST_PENDING_SECONDS).set(
+            stats
+                .oldest_pending_age
+                .map_or(0.0, |age| age.as_secs_f64()),
+        );
+        metrics::gauge!(signals::PAST_LEASE).set(stats.expired_leases as f64);
+        Ok(stats)
     }
 
     /// One pass: recovery, then a bounded purge. Returns what it did; a store failure is the
@@ -189,6 +270,7 @@ impl<S: Maintenance + Journal, R: Resolver> MaintenanceWorker<S, R> {
         let task = tokio::spawn(async move {
             let mut total = WorkerReport::default();
             let mut stopped = std::pin::pin!(stopped);
+            let mut stats_read: Option<Instant> = None;
             loop {
                 match self.run_once().await {
                     Ok(pass) => {
@@ -203,14 +285,17 @@ impl<S: Maintenance + Journal, R: Resolver> MaintenanceWorker<S, R> {
                         tracing::warn!(%error, "idempotency maintenance pass failed; retrying at the next one");
                     }
                 }
-                if tracing::enabled!(tracing::Level::DEBUG) {
-                    if let Ok(stats) = self.recovery.store().stats().await {
-                        tracing::debug!(
+                if self.stats_due(&mut stats_read) {
+                    match self.export_stats().await {
+                        Ok(stats) => tracing::debug!(
                             total = stats.total(),
                             expired_leases = stats.expired_leases,
                             purgeable = stats.purgeable,
                             "idempotency keys"
-                        );
+                        ),
+                        Err(error) => {
+                            tracing::warn!(%error, "idempotency key statistics unavailable")
+                        }
                     }
                 }
                 tokio::select! {
@@ -223,6 +308,21 @@ impl<S: Maintenance + Journal, R: Resolver> MaintenanceWorker<S, R> {
             stop: Some(stop),
             task: Some(task),
         }
+    }
+}
+
+impl<S: Maintenance + Journal, R> MaintenanceWorker<S, R> {
+    /// Whether the statistics are due at the end of this pass (the first pass always reads
+    /// them); notes the read in `last`.
+    fn stats_due(&self, last: &mut Option<Instant>) -> bool {
+        let Some(every) = self.stats_interval else {
+            return false;
+        };
+        if last.is_some_and(|read| read.elapsed() < every) {
+            return false;
+        }
+        *last = Some(Instant::now());
+        true
     }
 }
 

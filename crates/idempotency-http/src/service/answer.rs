@@ -9,11 +9,22 @@ use crate::{
 };
 use axum::body::Body;
 use http::{HeaderValue, Response};
-use idempotency::Store;
+use idempotency::{maintenance::signals, IdempotencyKey, Store};
 use idempotency_wire::header::IDEMPOTENCY_KEY_RETENTION;
 
-/// The stored response, marked as a replay.
-pub(super) fn replay<S: Store>(config: &Config<S>, op: &str, bytes: &[u8]) -> Response<Body> {
+/// The stored response of `key`, marked as a replay (in an `idempotency.replay` span).
+pub(super) fn replay<S: Store>(
+    config: &Config<S>,
+    key: &IdempotencyKey,
+    op: &str,
+    bytes: &[u8],
+) -> Response<Body> {
+    let _span = tracing::debug_span!(
+        signals::SPAN_REPLAY,
+        scope = key.scope(),
+        operation = key.operation(),
+    )
+    .entered();
     match StoredResponse::from_bytes(bytes) {
         Ok(stored) => {
             count(op, metrics::REPLAYED);

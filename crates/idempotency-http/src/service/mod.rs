@@ -258,7 +258,9 @@ async fn detached<S: Store, H: Handler>(
     let engine = &config.idempotency;
     if engine.replays_first() {
         match engine.replay(&attempt).await {
-            Ok(Some(bytes)) => return Ok(answer::replay(config, &operation, &bytes)),
+            Ok(Some(bytes)) => {
+                return Ok(answer::replay(config, attempt.key(), &operation, &bytes))
+            }
             Ok(None) => {}
             Err(error) => {
                 let rejection = IdempotencyRejection::from_engine(error);

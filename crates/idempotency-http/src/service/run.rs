@@ -54,7 +54,7 @@ pub(super) async fn proceed<S: Store, H: Handler>(
     };
     let (config, operation) = (&*call.layer.config, call.operation.as_str());
     match reserved {
-        Ok(Reservation::Completed(bytes)) => Ok(replay(config, operation, &bytes)),
+        Ok(Reservation::Completed(bytes)) => Ok(replay(config, attempt.key(), operation, &bytes)),
         Err(idempotency::Error::InProgress { retry_after }) => {
             // The finer hint: how long this operation usually takes, within the engine's.
             let retry_after = call.layer.state.estimates.hint(operation, retry_after);
