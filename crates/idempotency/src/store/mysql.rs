@@ -782,6 +782,13 @@ impl MySqlStore {
         .bind(i64::from(batch))
         .fetch_all(&mut *tx)
         .await?;
+        if chosen.is_empty() {
+            // Nothing expired: end the transaction without a COMMIT (an idle worker's pass
+            // writes nothing), and sweep the orphaned histories.
+            tx.rollback().await?;
+            self.sweep_orphaned_events(batch).await?;
+            return Ok(0);
+        }
         let mut deleted = 0;
         for (scope, operation, idem_key) in &chosen {
             sqlx::query(
