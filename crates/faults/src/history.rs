@@ -4,9 +4,10 @@
 //! reserved, its step committed, the call started, the claim by another process, the call
 //! answered, and the completion last.
 
-use crate::{client::OpReport, scenarios::Env};
+use crate::client::OpReport;
 use anyhow::{ensure, Context, Result};
 use serde_json::Value;
+use std::path::Path;
 
 /// The operation the shop protects its purchases under (`shop::purchase::PURCHASE`).
 const PURCHASE: &str = "purchase";
@@ -37,16 +38,20 @@ pub struct Resumed {
     pub example: Option<(String, usize, String)>,
 }
 
-/// Reads, with `idem keys history --json`, the history of each of `candidates` (purchases the
-/// clients got no final answer for and whose key ended completed). Every key that another
-/// process claimed must read back as reserved first, a claim by another actor than the
+/// Reads, with `idem keys history --json` (the `idem` binary `idem_bin`), the history of each
+/// of `candidates` (purchases the clients got no final answer for and whose key ended
+/// completed). Every key that another process claimed must read back as reserved first, a claim by another actor than the
 /// reserving one, and the completion last; every such key whose call had started before the
 /// claim must show reserved, step committed, call started, claimed (by another actor), call
 /// answered, completed, in that order. Fails when no key was resumed mid-call.
-pub async fn check_resumed(env: &Env, url: &str, candidates: &[&OpReport]) -> Result<Resumed> {
+pub async fn check_resumed(
+    idem_bin: &Path,
+    url: &str,
+    candidates: &[&OpReport],
+) -> Result<Resumed> {
     let mut seen = Resumed::default();
     for op in candidates.iter().take(MAX_KEYS) {
-        let events = history(env, url, &op.user, &op.key).await?;
+        let events = history(idem_bin, url, &op.user, &op.key).await?;
         seen.read += 1;
         let shown = || format!("{} {}: {}", op.user, op.key, render(&events));
         if !events.iter().any(|e| e.kind == "claimed") {
@@ -146,8 +151,8 @@ pub fn render(events: &[Event]) -> String {
 }
 
 /// `idem --database-url URL keys history SCOPE purchase KEY --json`, oldest event first.
-async fn history(env: &Env, url: &str, scope: &str, key: &str) -> Result<Vec<Event>> {
-    let out = tokio::process::Command::new(&env.idem_bin)
+async fn history(idem_bin: &Path, url: &str, scope: &str, key: &str) -> Result<Vec<Event>> {
+    let out = tokio::process::Command::new(idem_bin)
         .args([
             "--database-url",
             url,
@@ -160,7 +165,7 @@ async fn history(env: &Env, url: &str, scope: &str, key: &str) -> Result<Vec<Eve
         .arg("--json")
         .output()
         .await
-        .with_context(|| format!("running {}", env.idem_bin.display()))?;
+        .with_context(|| format!("running {}", idem_bin.display()))?;
     ensure!(
         out.status.success(),
         "idem keys history {scope} {PURCHASE} {key} failed ({}): {}",

@@ -1228,7 +1228,9 @@ async fn abandon_run(
         // With latency only, every resumed charge is answered: the histories of the keys
         // killed mid-charge read back in order through `idem keys history`.
         let resumed = match variant {
-            Variant::Latency => Some(history::check_resumed(env, &url, &by_worker).await?),
+            Variant::Latency => {
+                Some(history::check_resumed(&env.idem_bin, &url, &by_worker).await?)
+            }
             Variant::ProviderFaults => None,
         };
         Ok((settle, tally, by_worker.len(), resumed))
