@@ -5,7 +5,9 @@
 //! starts real `shop` processes, injects a fault, lets the shop's worker settle what the clients
 //! left, and checks from the databases that nothing was charged twice, no key was lost or left
 //! pending, every charge belongs to a paid order or was refunded, and (SQLite) `PRAGMA
-//! integrity_check` answers `ok`. Prints its counts and ends with `N passed, M failed`.
+//! integrity_check` answers `ok`; `abandon` also reads, with `idem keys history`, the history of
+//! the purchases killed mid-charge and finished by the restarted shop. Prints its counts and
+//! ends with `N passed, M failed`.
 //!
 //! ```text
 //! cargo build --release -p shop -p idempotency-cli -p faults
@@ -21,6 +23,7 @@ mod command;
 mod consumer_kill9;
 mod db;
 mod disk_full;
+mod history;
 mod scenarios;
 mod shop_process;
 mod topology;

@@ -9,6 +9,7 @@ use crate::{
     client::{purchase_until_settled, OpReport, Settled},
     command,
     db::Db,
+    history,
     shop_process::ShopProcess,
 };
 use anyhow::{bail, ensure, Context, Result};
@@ -989,6 +990,8 @@ struct AbandonRun {
     answers: BTreeMap<u16, usize>,
     settle: Duration,
     by_worker: usize,
+    /// The histories of the keys the restarted shop's worker finished (latency variant).
+    resumed: Option<history::Resumed>,
     tally: Tally,
 }
 
@@ -996,7 +999,10 @@ struct AbandonRun {
 /// moments and restarted; then the shop is restarted once more and left alone: within
 /// `settle_limit` its own worker must leave no key pending and no charge without a paid or
 /// refunded order. Two runs on `backend`: with payment latency, and with provider faults (fail
-/// rate 0.5).
+/// rate 0.5). After the run with latency only, the purchases killed mid-charge and finished by
+/// the restarted shop's worker must read back through `idem keys history` as reserved, step
+/// committed, call started, claimed by another process, call answered, completed
+/// ([`history::check_resumed`]).
 pub async fn abandon(env: &Env, backend: ShopDatabase, kills: usize) -> Result<()> {
     let mut failed = Vec::new();
     for variant in [Variant::Latency, Variant::ProviderFaults] {
@@ -1006,7 +1012,7 @@ pub async fn abandon(env: &Env, backend: ShopDatabase, kills: usize) -> Result<(
             Ok(run) => {
                 let v = &run.tally;
                 println!(
-                    "faults: abandon {name}: ok ({:.1}s): {} kills, payment latency {} ms; {} purchases sent once ({} more refused a connection while the shop was down), answers {}; settled {:.1}s after the last restart; keys {}: 201 {}, failed-settled {}, 402 {}, needs_review {}, settled by the worker {}; {} sent without a key left (released); charges {}, paid {}, refunded {}",
+                    "faults: abandon {name}: ok ({:.1}s): {} kills, payment latency {} ms; {} purchases sent once ({} more refused a connection while the shop was down), answers {}; settled {:.1}s after the last restart; keys {}: 201 {}, failed-settled {}, 402 {}, needs_review {}, settled by the worker {}; {} sent without a key left (released); charges {}, paid {}, refunded {}{}",
                     started.elapsed().as_secs_f64(),
                     run.kills,
                     run.latency_ms,
@@ -1024,6 +1030,10 @@ pub async fn abandon(env: &Env, backend: ShopDatabase, kills: usize) -> Result<(
                     v.charges,
                     v.paid,
                     v.refunded,
+                    run.resumed
+                        .as_ref()
+                        .map(|r| format!("; {}", resumed_line(r)))
+                        .unwrap_or_default(),
                 );
             }
             Err(e) => {
@@ -1037,6 +1047,15 @@ pub async fn abandon(env: &Env, backend: ShopDatabase, kills: usize) -> Result<(
     }
     ensure!(failed.is_empty(), "failed runs: {}", failed.join(", "));
     Ok(())
+}
+
+/// The `idem keys history` line of a run: how many keys were resumed, and one history.
+fn resumed_line(resumed: &history::Resumed) -> String {
+    let (key, _, events) = resumed.example.clone().unwrap_or_default();
+    format!(
+        "idem keys history of {} keys finished by the worker: {} claimed by a restarted shop, {} of them killed mid-charge, each reserved > step_committed > call_started > claimed (another process) > call_answered > completed; e.g. {key}: {events}",
+        resumed.read, resumed.resumed, resumed.mid_call,
+    )
 }
 
 pub(crate) fn answers(by_status: &BTreeMap<u16, usize>) -> String {
@@ -1198,20 +1217,28 @@ async fn abandon_run(
             .filter(|k| k.state == "completed")
             .map(|k| (k.scope, k.key))
             .collect();
-        let by_worker = ops
+        let by_worker: Vec<&OpReport> = ops
             .iter()
             .filter(|op| {
                 matches!(op.settled, Settled::GaveUp(_))
                     && !op.statuses.contains_key(&402)
                     && completed.contains(&(op.user.clone(), op.key.clone()))
             })
-            .count();
-        Ok((settle, tally, by_worker))
+            .collect();
+        // With latency only, every resumed charge is answered: the histories of the keys
+        // killed mid-charge read back in order through `idem keys history`.
+        let resumed = match variant {
+            Variant::Latency => {
+                Some(history::check_resumed(&env.idem_bin, &url, &by_worker).await?)
+            }
+            Variant::ProviderFaults => None,
+        };
+        Ok((settle, tally, by_worker.len(), resumed))
     }
     .await;
     shop.kill9().await?;
     db.close().await;
-    let (settle, tally, by_worker) = match outcome {
+    let (settle, tally, by_worker, resumed) = match outcome {
         Ok(done) => done,
         Err(e) => {
             let kept = fresh.keep();
@@ -1232,6 +1259,7 @@ async fn abandon_run(
         answers,
         settle,
         by_worker,
+        resumed,
         tally,
     })
 }
