@@ -29,9 +29,12 @@ WHERE NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'idem') \gexec
 SELECT 'CREATE DATABASE idem OWNER idem'
 WHERE NOT EXISTS (SELECT 1 FROM pg_database WHERE datname = 'idem') \gexec
 ALTER SYSTEM SET max_connections = 300;
+ALTER SYSTEM SET shared_preload_libraries = 'pg_stat_statements';
 SQL
-# max_connections needs a restart to take effect; do it once.
-if [ "$(su postgres -c "psql -tAc 'SHOW max_connections'")" != 300 ]; then
+# Both settings need a restart to take effect; do it once. pg_stat_statements lets the
+# benchmarks count the statements a request runs.
+if [ "$(su postgres -c "psql -tAc 'SHOW max_connections'")" != 300 ] ||
+   [ "$(su postgres -c "psql -tAc 'SHOW shared_preload_libraries'")" != pg_stat_statements ]; then
   pg_ctlcluster --skip-systemctl-redirect "$pg_version" main restart
   for _ in $(seq 1 60); do pg_isready -q -h 127.0.0.1 -p 5432 && break; sleep 0.5; done
 fi
