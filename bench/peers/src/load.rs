@@ -2,6 +2,7 @@
 
 use crate::{
     orders::Order,
+    probe::{Cost, Probe, Sample},
     server::{Server, USER_PREFIX},
 };
 use anyhow::{Context, bail};
@@ -119,6 +120,8 @@ pub struct Cell {
     pub statuses: BTreeMap<u16, u64>,
     /// Responses marked as replays.
     pub replayed: u64,
+    /// CPU and statements per request over the window.
+    pub cost: Cost,
 }
 
 impl Cell {
@@ -201,16 +204,27 @@ async fn client_loop(
     }
 }
 
-/// Runs one closed-loop client per (identity, request maker) for `measured` after the warm-up.
+/// Samples `probe` at the start and at the end of `window`.
+async fn sample(probe: Arc<Probe>, window: Window) -> anyhow::Result<(Sample, Sample)> {
+    tokio::time::sleep_until(window.from.into()).await;
+    let start = probe.start().await?;
+    tokio::time::sleep_until(window.until.into()).await;
+    Ok((start, probe.end().await?))
+}
+
+/// Runs one closed-loop client per (identity, request maker) for `measured` after the warm-up,
+/// and samples `probe` over the measured window.
 async fn closed_loop<F>(
     target: &Arc<Target>,
     clients: Vec<(HeaderMap, F)>,
     measured: Duration,
+    probe: &Arc<Probe>,
 ) -> anyhow::Result<Cell>
 where
     F: FnMut() -> (String, String) + Send + 'static,
 {
     let window = Window::after_warmup(measured);
+    let sampler = tokio::spawn(sample(probe.clone(), window));
     let mut tasks = JoinSet::new();
     for (identity, next) in clients {
         tasks.spawn(client_loop(target.clone(), identity, window, next));
@@ -222,6 +236,8 @@ where
     while let Some(client) = tasks.join_next().await {
         cell.merge(client?);
     }
+    let (start, end) = sampler.await??;
+    cell.cost = probe.cost(&start, &end, cell.requests());
     Ok(cell)
 }
 
@@ -230,12 +246,13 @@ pub async fn fresh(
     target: &Arc<Target>,
     clients: usize,
     measured: Duration,
+    probe: &Arc<Probe>,
 ) -> anyhow::Result<Cell> {
     let mut loops = Vec::with_capacity(clients);
     for _ in 0..clients {
         loops.push((target.identity().await?, new_request));
     }
-    closed_loop(target, loops, measured).await
+    closed_loop(target, loops, measured, probe).await
 }
 
 /// A replay cell, and whether the replays were replays.
@@ -251,6 +268,7 @@ pub async fn replay(
     target: &Arc<Target>,
     clients: usize,
     measured: Duration,
+    probe: &Arc<Probe>,
 ) -> anyhow::Result<Replay> {
     let mut firsts = JoinSet::new();
     for _ in 0..clients {
@@ -270,7 +288,7 @@ pub async fn replay(
         loops.push(first??);
     }
     let before = target.server.orders.count().await?;
-    let cell = closed_loop(target, loops, measured).await?;
+    let cell = closed_loop(target, loops, measured, probe).await?;
     let new_rows = target.server.orders.count().await? - before;
     Ok(Replay { cell, new_rows })
 }

@@ -3,15 +3,19 @@
 
 mod load;
 mod orders;
+mod probe;
 mod report;
 mod server;
 mod systems;
 
 use clap::Parser;
 use load::Target;
+use probe::Probe;
 use report::{Kind, Measured, Report};
+use server::PoolSettings;
 use std::{sync::Arc, time::Duration};
 use systems::System;
+use tokio::runtime::{Builder, Handle};
 
 #[derive(Debug, Parser)]
 #[command(about = "Throughput, replays and racers: our idempotency layer against its peers")]
@@ -49,16 +53,38 @@ struct Args {
         default_value = "ours,ours-single-tx,ours-cached,axum-idempotent,idempotent"
     )]
     systems: Vec<System>,
-    /// Every pool hands out connections without sqlx's ping per checkout (one round trip less
-    /// per acquisition, for every system alike).
-    #[arg(long)]
-    no_ping_on_acquire: bool,
+    /// Every system's pool: `default` is sqlx's defaults (64 connections); `tuned` also skips
+    /// sqlx's ping per checkout.
+    #[arg(long, value_enum, default_value_t = PoolSettings::Default)]
+    pool: PoolSettings,
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+/// The servers run on the main runtime; the load generator on its own (threads named
+/// [`probe::LOAD_THREAD`]), so the servers' CPU is that of the other threads.
+fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    server::set_ping_on_acquire(!args.no_ping_on_acquire);
+    server::set_pool_settings(args.pool);
+    let load = Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name(probe::LOAD_THREAD)
+        .enable_all()
+        .build()?;
+    let servers = Builder::new_multi_thread().enable_all().build()?;
+    servers.block_on(run(args, load.handle().clone()))
+}
+
+async fn run(args: Args, load: Handle) -> anyhow::Result<()> {
+    let database_url = args.database_url.clone();
+    let probe = Arc::new(
+        load.spawn(async move { Probe::connect(&database_url).await })
+            .await??,
+    );
+    if probe::load_threads() == 0 {
+        anyhow::bail!(
+            "no thread is named {:?}: the servers' CPU would include the load's",
+            probe::LOAD_THREAD
+        );
+    }
     let config = systems::Config {
         database_url: args.database_url.clone(),
         redis_url: args.redis_url.clone(),
@@ -90,25 +116,31 @@ async fn main() -> anyhow::Result<()> {
         order.rotate_left(round % peers.len().max(1));
         for kind in fresh_kinds {
             for target in std::iter::once(&baseline).chain(&order) {
-                results.push(measure(round, target, kind, measured).await?);
+                results.push(measure(&load, &probe, round, target, kind, measured).await?);
             }
         }
         for target in &order {
-            results.push(measure(round, target, replay_kind, measured).await?);
+            results.push(measure(&load, &probe, round, target, replay_kind, measured).await?);
         }
     }
 
     let mut races = Vec::new();
     for target in std::iter::once(&baseline).chain(&peers) {
-        let race = load::race(target, args.racers, args.trials).await?;
+        let name = target.server.name;
+        let (target, racers, trials) = (target.clone(), args.racers, args.trials);
+        let race = load
+            .spawn(async move { load::race(&target, racers, trials).await })
+            .await??;
         eprintln!(
             "racers {:>15}: doubled {} / {}, max {}",
-            target.server.name, race.doubled, race.trials, race.max_executions
+            name, race.doubled, race.trials, race.max_executions
         );
-        races.push((target.server.name, race));
+        races.push((name, race));
     }
 
     let report = Report {
+        pool: args.pool,
+        statements: probe.counts_statements(),
         rounds: args.rounds,
         systems: peers.iter().map(|target| target.server.name).collect(),
         kinds: vec![fresh_kinds[0], fresh_kinds[1], replay_kind],
@@ -120,23 +152,32 @@ async fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Measures one cell and prints it as progress.
+/// Measures one cell on the load runtime and prints it as progress.
 async fn measure(
+    load: &Handle,
+    probe: &Arc<Probe>,
     round: usize,
     target: &Arc<Target>,
     kind: Kind,
     measured: Duration,
 ) -> anyhow::Result<Measured> {
-    let (cell, new_rows) = match kind {
-        Kind::Fresh { clients } => (load::fresh(target, clients, measured).await?, None),
-        Kind::Replay { clients } => {
-            let replay = load::replay(target, clients, measured).await?;
-            (replay.cell, Some(replay.new_rows))
-        }
+    let name = target.server.name;
+    let (target, probe) = (target.clone(), probe.clone());
+    let work = async move {
+        anyhow::Ok(match kind {
+            Kind::Fresh { clients } => {
+                (load::fresh(&target, clients, measured, &probe).await?, None)
+            }
+            Kind::Replay { clients } => {
+                let replay = load::replay(&target, clients, measured, &probe).await?;
+                (replay.cell, Some(replay.new_rows))
+            }
+        })
     };
+    let (cell, new_rows) = load.spawn(work).await??;
     let measured = Measured {
         round,
-        system: target.server.name,
+        system: name,
         kind,
         cell,
         new_rows,

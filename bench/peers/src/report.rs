@@ -1,6 +1,10 @@
 //! The results, as Markdown: raw cells, ratios to the baseline of the same round, racers.
 
-use crate::load::{Cell, Race};
+use crate::{
+    load::{Cell, Race},
+    probe::Cost,
+    server::PoolSettings,
+};
 use std::{collections::BTreeMap, fmt::Write as _, time::Duration};
 
 /// What a cell measures.
@@ -42,14 +46,18 @@ pub struct Measured {
 impl Measured {
     /// One line, for progress.
     pub fn line(&self) -> String {
+        let cost = &self.cell.cost;
         format!(
-            "round {} {:>15} {:<22} {:>8.1} req/s  p50 {}  p99 {}  {}",
+            "round {} {:>15} {:<22} {:>8.1} req/s  p50 {}  p99 {}  CPU s/1k req: pg {} server {:.3}  statements/req {}  {}",
             self.round + 1,
             self.system,
             self.kind.label(),
             self.cell.rate(),
             ms(self.cell.latency(0.5)),
             ms(self.cell.latency(0.99)),
+            optional(cost.postgres_cpu, 3),
+            cost.server_cpu,
+            optional(cost.statements, 2),
             statuses(&self.cell.statuses),
         )
     }
@@ -89,6 +97,10 @@ impl Measured {
 
 /// Everything one run measured.
 pub struct Report {
+    /// The pools' settings.
+    pub pool: PoolSettings,
+    /// Whether `pg_stat_statements` was readable.
+    pub statements: bool,
     pub rounds: usize,
     /// The systems compared with the baseline, in the order of the first round.
     pub systems: Vec<&'static str>,
@@ -99,6 +111,28 @@ pub struct Report {
 }
 
 impl Report {
+    /// A figure of `system`'s cell per round, and the same over the baseline's (same round,
+    /// [`Kind::baseline`]).
+    fn costs(
+        &self,
+        system: &str,
+        kind: Kind,
+        figure: impl Fn(&Cost) -> Option<f64>,
+    ) -> (Vec<f64>, Vec<f64>) {
+        let (mut values, mut ratios) = (Vec::new(), Vec::new());
+        for round in 0..self.rounds {
+            let Some(value) = self.cell(round, system, kind).and_then(|c| figure(&c.cost)) else {
+                continue;
+            };
+            values.push(value);
+            let baseline = self.cell(round, "baseline", kind.baseline());
+            if let Some(base) = baseline.and_then(|c| figure(&c.cost)).filter(|b| *b > 0.0) {
+                ratios.push(value / base);
+            }
+        }
+        (values, ratios)
+    }
+
     fn cell(&self, round: usize, system: &str, kind: Kind) -> Option<&Cell> {
         self.measured
             .iter()
@@ -120,8 +154,19 @@ impl Report {
     /// The whole report.
     pub fn markdown(&self) -> String {
         let mut out = String::new();
+        let _ = writeln!(
+            out,
+            "# Peers benchmark\n\nPools: {}. Statements per request: {}.\n",
+            self.pool.describe(),
+            if self.statements {
+                "from `pg_stat_statements`"
+            } else {
+                "n/a (`pg_stat_statements` not loaded)"
+            }
+        );
         self.raw(&mut out);
         self.per_round(&mut out);
+        self.cost_table(&mut out);
         self.race_table(&mut out);
         self.summary(&mut out);
         out
@@ -168,6 +213,45 @@ impl Report {
             }
         }
         out.push('\n');
+    }
+
+    fn cost_table(&self, out: &mut String) {
+        out.push_str(
+            "## CPU and statements per request (mean (min–max) over rounds; × the baseline's of the same round)\n\n\
+             | system | cell | PostgreSQL CPU s / 1,000 req | × baseline | server CPU s / 1,000 req | × baseline | statements / req |\n\
+             |---|---|--:|--:|--:|--:|--:|\n",
+        );
+        let systems = std::iter::once("baseline").chain(self.systems.iter().copied());
+        for system in systems {
+            for kind in &self.kinds {
+                if system == "baseline" && matches!(kind, Kind::Replay { .. }) {
+                    continue;
+                }
+                let (pg, pg_ratio) = self.costs(system, *kind, |c| c.postgres_cpu);
+                let (server, server_ratio) = self.costs(system, *kind, |c| Some(c.server_cpu));
+                let (statements, _) = self.costs(system, *kind, |c| c.statements);
+                let ratio = |ratios: &[f64]| {
+                    if system == "baseline" {
+                        "–".to_owned()
+                    } else {
+                        spread(ratios, 2, "×")
+                    }
+                };
+                let _ = writeln!(
+                    out,
+                    "| {system} | {} | {} | {} | {} | {} | {} |",
+                    kind.label(),
+                    spread(&pg, 3, ""),
+                    ratio(&pg_ratio),
+                    spread(&server, 3, ""),
+                    ratio(&server_ratio),
+                    spread(&statements, 2, ""),
+                );
+            }
+        }
+        out.push_str(
+            "\nThe replay rows' ratios are to the baseline's fresh cell with as many clients.\n\n",
+        );
     }
 
     fn race_table(&self, out: &mut String) {
@@ -244,16 +328,27 @@ fn race_statuses(statuses: &BTreeMap<(u16, bool), u64>) -> String {
 
 /// `0.81× (0.79–0.83)`; one value alone without the range.
 fn mean_range(values: &[f64]) -> String {
+    spread(values, 2, "×")
+}
+
+/// `0.812 (0.790–0.830)` with `decimals` and `unit` after the mean; one value alone without
+/// the range; none: `n/a`.
+fn spread(values: &[f64], decimals: usize, unit: &str) -> String {
     if values.is_empty() {
-        return "–".to_owned();
+        return "n/a".to_owned();
     }
     let mean = values.iter().sum::<f64>() / values.len() as f64;
     if values.len() == 1 {
-        return format!("{mean:.2}×");
+        return format!("{mean:.decimals$}{unit}");
     }
     let min = values.iter().copied().fold(f64::INFINITY, f64::min);
     let max = values.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-    format!("{mean:.2}× ({min:.2}–{max:.2})")
+    format!("{mean:.decimals$}{unit} ({min:.decimals$}–{max:.decimals$})")
+}
+
+/// A figure, or `n/a`.
+fn optional(value: Option<f64>, decimals: usize) -> String {
+    value.map_or("n/a".to_owned(), |value| format!("{value:.decimals$}"))
 }
 
 /// Milliseconds, two decimals.

@@ -3,7 +3,10 @@
 use crate::orders::Orders;
 use axum::{Router, http::request::Parts, routing::get};
 use sqlx::{PgPool, postgres::PgPoolOptions};
-use std::time::Duration;
+use std::{
+    sync::atomic::{AtomicBool, Ordering},
+    time::Duration,
+};
 
 /// PostgreSQL connections per system.
 pub const POOL_SIZE: u32 = 64;
@@ -21,23 +24,50 @@ pub struct Server {
     pub login: bool,
 }
 
-/// Whether every pool pings a connection before handing it out (sqlx's default, `true`).
-static PING_ON_ACQUIRE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
-
-/// Sets [`PING_ON_ACQUIRE`] for the pools made after it (`--no-ping-on-acquire`).
-pub fn set_ping_on_acquire(ping: bool) {
-    PING_ON_ACQUIRE.store(ping, std::sync::atomic::Ordering::Relaxed);
+/// How every system's pool is set up (`--pool`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum PoolSettings {
+    /// sqlx's defaults, as a user who passes their own pool has: only the size is set.
+    Default,
+    /// The same without sqlx's ping per checkout (`test_before_acquire(false)`).
+    Tuned,
 }
 
-/// A pool of [`POOL_SIZE`] connections. Connections idle for 30 s close, so the
-/// systems not being measured do not hold PostgreSQL connections.
+impl PoolSettings {
+    /// What the report's header says.
+    pub fn describe(self) -> &'static str {
+        match self {
+            PoolSettings::Default => {
+                "`default` (sqlx's defaults: 64 connections, ping per checkout; idle timeout 30 s)"
+            }
+            PoolSettings::Tuned => {
+                "`tuned` (64 connections, no ping per checkout: `test_before_acquire(false)`; idle timeout 30 s)"
+            }
+        }
+    }
+}
+
+/// Whether the pools are [`PoolSettings::Tuned`].
+static TUNED: AtomicBool = AtomicBool::new(false);
+
+/// Sets the settings of the pools made after it.
+pub fn set_pool_settings(settings: PoolSettings) {
+    TUNED.store(settings == PoolSettings::Tuned, Ordering::Relaxed);
+}
+
+/// A pool of [`POOL_SIZE`] connections, with sqlx's defaults or tuned ([`set_pool_settings`]).
+/// Connections idle for 30 s close, so the systems not being measured do not hold PostgreSQL
+/// connections (six systems of 64 would pass `max_connections`).
 pub async fn pool(database_url: &str) -> sqlx::Result<PgPool> {
-    PgPoolOptions::new()
+    let options = PgPoolOptions::new()
         .max_connections(POOL_SIZE)
-        .test_before_acquire(PING_ON_ACQUIRE.load(std::sync::atomic::Ordering::Relaxed))
-        .idle_timeout(Duration::from_secs(30))
-        .connect(database_url)
-        .await
+        .idle_timeout(Duration::from_secs(30));
+    let options = if TUNED.load(Ordering::Relaxed) {
+        options.test_before_acquire(false)
+    } else {
+        options
+    };
+    options.connect(database_url).await
 }
 
 /// Serves `router`, plus `GET /health` (to open connections before a race), on a fresh
