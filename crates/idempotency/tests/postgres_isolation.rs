@@ -75,5 +75,18 @@ async fn key_columns_collate_as_bytes() {
             .fetch_all(store.pool())
             .await
             .unwrap();
-    assert_eq!(applied, [1, 2, 3, 4]);
+    assert_eq!(applied, [1, 2, 3, 4, 5]);
+    // Only settled keys are indexed by expiry: a reservation writes two index entries.
+    let expiry_indexes: Vec<String> = sqlx::query_scalar(
+        "SELECT indexdef FROM pg_indexes
+          WHERE tablename = 'idempotency_keys' AND indexdef LIKE '%(expires_at)%'",
+    )
+    .fetch_all(store.pool())
+    .await
+    .unwrap();
+    assert_eq!(expiry_indexes.len(), 1, "{expiry_indexes:?}");
+    assert!(
+        expiry_indexes[0].contains("WHERE (state = ANY (ARRAY['completed'::text, 'failed'::text]))"),
+        "{expiry_indexes:?}"
+    );
 }

@@ -642,8 +642,11 @@ pub trait Journal: Store {
 /// # Ok(()) }
 /// ```
 pub trait ReserveInTransaction: Store {
-    /// The single-transaction mode's reservation: INSERTs the pending `row` inside `tx`, the
-    /// business transaction, without committing it. A duplicate's INSERT then waits on the
+    /// The single-transaction mode's reservation: INSERTs the `row` inside `tx`, the business
+    /// transaction, without committing it, such that [`Store::complete`] with the row's token in
+    /// the same `tx` completes it (nobody else sees it before `tx` commits, so the state it is
+    /// written in is the store's choice: PostgreSQL writes it `completed` without a result, which
+    /// the completion fills in place). A duplicate's INSERT then waits on the
     /// unique index until `tx` ends, for at most `wait` (then [`ReservedIn::Busy`]); after a
     /// commit it finds the row ([`ReservedIn::Exists`]), after a rollback it inserts its own.
     /// Only for [`Effects::Local`] work that is not journaled.

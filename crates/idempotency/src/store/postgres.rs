@@ -37,6 +37,11 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         description: "key history: idempotency_key_events",
         sql: include_str!("../../migrations/postgres/0004_key_events.sql"),
     },
+    Migration {
+        version: 5,
+        description: "index the expiry of settled keys only",
+        sql: include_str!("../../migrations/postgres/0005_settled_expiry_index.sql"),
+    },
 ];
 
 /// Lock id for `pg_advisory_xact_lock` while migrating ("idem" in ASCII).
@@ -81,8 +86,12 @@ macro_rules! reserve_sql {
             )
             SELECT EXISTS (SELECT 1 FROM inserted) AS inserted, (SELECT level FROM durability) AS level, ",
             columns!(),
+            // The row is read only when the INSERT did not insert: the subquery's condition on
+            // `inserted` alone is a one-time filter that skips the index scan.
             " FROM (VALUES (1)) AS one (x)
-              LEFT JOIN idempotency_keys k ON k.scope = $1 AND k.operation = $2 AND k.idem_key = $3"
+              LEFT JOIN (SELECT * FROM idempotency_keys
+                          WHERE NOT EXISTS (SELECT 1 FROM inserted)
+                            AND scope = $1 AND operation = $2 AND idem_key = $3) k ON true"
         )
     };
 }
@@ -102,12 +111,18 @@ fn reservation_durability(row: &PendingRow<'_>) -> &'static str {
 /// `lock_timeout = $9` (milliseconds), and the transaction's previous `lock_timeout` is put back
 /// in the same statement, after the INSERT (each step reads the one before it, which orders
 /// them), so the business work keeps the caller's setting.
+///
+/// The row is inserted already `completed`, without a result: nobody else sees it before the
+/// transaction commits, and the transaction commits only after [`Store::complete`] wrote the
+/// result into it (a racer waits on the primary key's entry and then reads the committed row, as
+/// it would a pending one). Inserted that way the row never enters the pending index, and its
+/// completion changes no indexed column: a HOT update, which writes no index entry.
 const RESERVE_IN: &str = "WITH before AS (SELECT current_setting('lock_timeout') AS setting),
     waiting AS (SELECT set_config('lock_timeout', $9, true) AS setting FROM before),
     inserted AS (
         INSERT INTO idempotency_keys
             (scope, operation, idem_key, state, effects, fingerprint, lease_token, lease_until, expires_at)
-        SELECT $1, $2, $3, 'pending', $4, $5, $6,
+        SELECT $1, $2, $3, 'completed', $4, $5, $6,
                now() + $7 * INTERVAL '1 millisecond', now() + $8 * INTERVAL '1 millisecond'
           FROM waiting
         ON CONFLICT (scope, operation, idem_key) DO NOTHING
@@ -487,12 +502,19 @@ impl Store for PgStore {
         result: &[u8],
         retention: Duration,
     ) -> Result<bool, StoreError> {
+        // A pending row, or the row this very transaction reserved (inserted `completed`
+        // without a result, see RESERVE_IN): that one keeps the expiry it was inserted with (the
+        // transaction's start plus the retention), so no indexed column changes.
         let done = sqlx::query(
             "UPDATE idempotency_keys SET
                 state = 'completed', result = $5, request = NULL, updated_at = clock_timestamp(),
-                expires_at = clock_timestamp() + $6 * INTERVAL '1 millisecond'
-             WHERE scope = $1 AND operation = $2 AND idem_key = $3
-               AND state = 'pending' AND lease_token = $4",
+                expires_at = CASE WHEN state = 'pending'
+                                  THEN clock_timestamp() + $6 * INTERVAL '1 millisecond'
+                                  ELSE expires_at END
+             WHERE scope = $1 AND operation = $2 AND idem_key = $3 AND lease_token = $4
+               AND (state = 'pending'
+                    OR (state = 'completed' AND result IS NULL
+                        AND xmin = pg_current_xact_id()::xid))",
         )
         .bind(key.scope())
         .bind(key.operation())
