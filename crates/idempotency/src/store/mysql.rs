@@ -214,7 +214,7 @@ impl MySqlStore {
     /// Connects a new pool, without sqlx's ping on every checkout
     /// (`test_before_acquire(false)`). A first request checks out two connections (the
     /// reservation, then the business transaction), so the pings are two of its seven round
-    /// trips on PostgreSQL (their cost: `bench/peers --no-ping-on-acquire`). A connection that
+    /// trips on PostgreSQL (their cost: `bench/peers --pool tuned`). A connection that
     /// died with the server fails its next statement instead: the request answers 503 ("not
     /// now") and its retry runs on a fresh connection. Give your own pool the same setting.
     pub async fn connect(url: &str) -> Result<Self, StoreError> {
