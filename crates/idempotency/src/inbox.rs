@@ -8,7 +8,7 @@ use crate::{
     operation::Operation,
     protocol::{Attempt, Idempotency},
     store::{
-        failures::RECORD_SUFFIX_MAX, Awaited, CompletionSignal, Effects, Journal, KeyState,
+        self, failures::RECORD_SUFFIX_MAX, Awaited, CompletionSignal, Effects, Journal, KeyState,
         LeaseToken, PendingRow,
     },
     Fingerprint, IdempotencyKey,
@@ -803,8 +803,16 @@ impl<S: CompletionSignal> Inbox<S> {
             let left = deadline.saturating_duration_since(tokio::time::Instant::now());
             tokio::select! {
                 awaited = store.wait_for_completion(key, &fingerprint, left) => break awaited,
-                // The run here ended: read again at once.
-                () = &mut woken => continue,
+                () = &mut woken => {}
+            }
+            // The run here ended (committed, or released): read the row at once.
+            match store.find(key).await {
+                Ok(record) => {
+                    if let Some(done) = store::awaited(record, &fingerprint) {
+                        break Ok(done);
+                    }
+                }
+                Err(error) => break Err(error),
             }
         };
         match awaited {
