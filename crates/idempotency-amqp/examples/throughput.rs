@@ -5,7 +5,10 @@
 //! * (b) the **idempotent** consumer ([`AmqpConsumer`] + [`Inbox::handle`]): per delivery, the
 //!   same insert, plus the key's reservation and completion;
 //! * (c) the idempotent consumer when **every message arrives twice** (deliveries per second: half
-//!   of them are replays).
+//!   of them are replays);
+//! * (d) on a database that offers it (PostgreSQL), the idempotent consumer with the engine's
+//!   single-transaction mode (`Idempotency::with_single_transaction`): the key row is written in
+//!   the business transaction, not in a reservation committed on its own.
 //!
 //! Both consumers use the same prefetch and the same number of deliveries in flight. Rounds
 //! alternate (a), (b), (c) so that a drift of the machine affects all of them alike.
@@ -19,7 +22,9 @@
 //! Options: `--messages N` (default 20000), `--rounds N` (3), `--concurrency N` (16),
 //! `--prefetch N` (64), `--database-url URL` (default: a SQLite file in a temporary folder),
 //! `--amqp-url URL` (default `TEST_AMQP_URL`, else `amqp://idem:idem@127.0.0.1:5672/idem`),
-//! `--no-replay-first` (the engine skips its replay read before the reservation).
+//! `--replay-first` / `--no-replay-first` (force the engine's replay read before the
+//! reservation on or off; by default the engine decides, as it does for a user who does not
+//! set it: it reads first only while most recent reservations were replays).
 
 use futures_util::{future::BoxFuture, StreamExt};
 use idempotency::{queue::Inbox, Idempotency, PgStore, SqliteStore, Store};
@@ -32,6 +37,7 @@ use lapin::{
     types::FieldTable,
     BasicProperties, Channel, Connection, ConnectionProperties,
 };
+use std::fmt::Write as _;
 use std::{
     sync::{
         atomic::{AtomicU64, Ordering},
@@ -49,7 +55,8 @@ struct Options {
     prefetch: u16,
     database_url: Option<String>,
     amqp_url: String,
-    replay_first: bool,
+    /// `None`: the engine's adaptive default.
+    replay_first: Option<bool>,
 }
 
 impl Options {
@@ -62,7 +69,7 @@ impl Options {
             database_url: None,
             amqp_url: std::env::var("TEST_AMQP_URL")
                 .unwrap_or_else(|_| "amqp://idem:idem@127.0.0.1:5672/idem".into()),
-            replay_first: true,
+            replay_first: None,
         };
         let mut args = std::env::args().skip(1);
         while let Some(flag) = args.next() {
@@ -77,7 +84,8 @@ impl Options {
                 "--prefetch" => options.prefetch = value()?.parse()?,
                 "--database-url" => options.database_url = Some(value()?),
                 "--amqp-url" => options.amqp_url = value()?,
-                "--no-replay-first" => options.replay_first = false,
+                "--replay-first" => options.replay_first = Some(true),
+                "--no-replay-first" => options.replay_first = Some(false),
                 other => anyhow::bail!("unknown option {other}"),
             }
         }
@@ -98,6 +106,11 @@ trait Sink: Store + idempotency::store::CompletionSignal {
     ) -> BoxFuture<'_, Result<sqlx::Transaction<'static, Self::Database>, sqlx::Error>>;
     fn reset(&self) -> BoxFuture<'_, Result<(), sqlx::Error>>;
     fn count(&self) -> BoxFuture<'_, Result<i64, sqlx::Error>>;
+    /// `engine` in the single-transaction mode, where the store offers it.
+    fn single_transaction(engine: Idempotency<Self>, wait: Duration) -> Option<Idempotency<Self>> {
+        let _ = (engine, wait);
+        None
+    }
 }
 
 impl Sink for PgStore {
@@ -141,6 +154,9 @@ impl Sink for PgStore {
         Box::pin(
             sqlx::query_scalar("SELECT count(*) FROM throughput_orders").fetch_one(self.pool()),
         )
+    }
+    fn single_transaction(engine: Idempotency<Self>, wait: Duration) -> Option<Idempotency<Self>> {
+        Some(engine.with_single_transaction(wait))
     }
 }
 
@@ -223,6 +239,7 @@ enum Variant {
     Plain,
     Idempotent,
     IdempotentTwice,
+    SingleTransaction,
 }
 
 impl Variant {
@@ -231,6 +248,7 @@ impl Variant {
             Variant::Plain => "(a) plain consumer: insert + commit + ack",
             Variant::Idempotent => "(b) idempotent consumer (Inbox::handle)",
             Variant::IdempotentTwice => "(c) idempotent, every message delivered twice",
+            Variant::SingleTransaction => "(d) idempotent, single-transaction mode",
         }
     }
 }
@@ -242,18 +260,25 @@ async fn bench<S: Sink>(
 ) -> anyhow::Result<()> {
     store.migrate().await?;
     let version = broker_version();
+    let replay_first = match options.replay_first {
+        None => "adaptive (the engine's default)".to_owned(),
+        Some(forced) => format!("forced {forced}"),
+    };
     println!(
-        "{} messages per round, {} rounds; prefetch {}, {} deliveries in flight; {}; RabbitMQ {version}; replay read first: {}",
-        options.messages, options.rounds, options.prefetch, options.concurrency, S::NAME, options.replay_first
+        "{} messages per round, {} rounds; prefetch {}, {} deliveries in flight; {}; RabbitMQ {version}; replay read first: {replay_first}",
+        options.messages, options.rounds, options.prefetch, options.concurrency, S::NAME
     );
-    let variants = [
+    let mut variants = vec![
         Variant::Plain,
         Variant::Idempotent,
         Variant::IdempotentTwice,
     ];
+    if S::single_transaction(Idempotency::new(store.clone()), Duration::ZERO).is_some() {
+        variants.push(Variant::SingleTransaction);
+    }
     let mut rates: Vec<Vec<f64>> = vec![Vec::new(); variants.len()];
     for round in 1..=options.rounds {
-        for (i, variant) in variants.into_iter().enumerate() {
+        for (i, &variant) in variants.iter().enumerate() {
             store.reset().await?;
             let rate = measure(&store, connection, options, variant, round).await?;
             println!(
@@ -263,28 +288,38 @@ async fn bench<S: Sink>(
             rates[i].push(rate);
         }
     }
-    let median = |rates: &Vec<f64>| {
-        let mut sorted = rates.clone();
-        sorted.sort_by(f64::total_cmp);
-        sorted[sorted.len() / 2]
-    };
-    let (plain, idempotent, twice) = (median(&rates[0]), median(&rates[1]), median(&rates[2]));
     println!();
-    println!(
-        "median  {:<48} {plain:>8.0} messages/s",
-        Variant::Plain.label()
-    );
-    println!(
-        "median  {:<48} {idempotent:>8.0} messages/s = {:.2}x plain",
-        Variant::Idempotent.label(),
-        idempotent / plain
-    );
-    println!(
-        "median  {:<48} {twice:>8.0} deliveries/s ({:.0} messages/s)",
-        Variant::IdempotentTwice.label(),
-        twice / 2.0
-    );
+    let plain = median(&rates[0]);
+    for (variant, rates) in variants.iter().zip(&rates) {
+        let rate = median(rates);
+        let mut line = format!("median  {:<48} {rate:>8.0} ", variant.label());
+        match variant {
+            Variant::Plain => line.push_str("messages/s"),
+            Variant::IdempotentTwice => {
+                let _ = write!(line, "deliveries/s ({:.0} messages/s)", rate / 2.0);
+            }
+            _ => {
+                let _ = write!(line, "messages/s = {:.2}x plain", rate / plain);
+            }
+        }
+        let _ = write!(line, "; spread {}", spread(rates));
+        println!("{line}");
+    }
     Ok(())
+}
+
+/// The median of `rates`.
+fn median(rates: &[f64]) -> f64 {
+    let mut sorted = rates.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    sorted[sorted.len() / 2]
+}
+
+/// The lowest and highest of `rates`: `min–max`.
+fn spread(rates: &[f64]) -> String {
+    let low = rates.iter().copied().fold(f64::INFINITY, f64::min);
+    let high = rates.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    format!("{low:.0}–{high:.0}")
 }
 
 /// The broker's version, as `.ci/rabbitmq.sh` exports it.
@@ -324,7 +359,7 @@ async fn measure<S: Sink>(
         Variant::Plain => {
             plain(store, channel, topology.queue(), options, deliveries, done).await?
         }
-        Variant::Idempotent | Variant::IdempotentTwice => {
+        Variant::Idempotent | Variant::IdempotentTwice | Variant::SingleTransaction => {
             let handler = {
                 let done = done.clone();
                 move |incoming: Incoming<S>| {
@@ -342,7 +377,14 @@ async fn measure<S: Sink>(
                     }
                 }
             };
-            let engine = Idempotency::new(store.clone()).with_replay_first(options.replay_first);
+            let mut engine = Idempotency::new(store.clone());
+            if let Some(forced) = options.replay_first {
+                engine = engine.with_replay_first(forced);
+            }
+            if variant == Variant::SingleTransaction {
+                engine = S::single_transaction(engine, Duration::from_secs(5))
+                    .expect("offered by the store");
+            }
             let inbox = Inbox::new(engine);
             let running = AmqpConsumer::for_topology(channel, &topology, inbox, handler)
                 .with_prefetch(options.prefetch)

@@ -8,26 +8,34 @@ use crate::{
     operation::Operation,
     protocol::{Attempt, Idempotency},
     store::{
-        Awaited, CompletionSignal, Effects, Insertion, Journal, KeyState, LeaseToken, PendingRow,
+        self, failures::RECORD_SUFFIX_MAX, Awaited, CompletionSignal, Effects, Journal, KeyState,
+        LeaseToken, PendingRow,
     },
     Fingerprint, IdempotencyKey,
 };
 use futures_util::FutureExt;
 use serde::{de::DeserializeOwned, Serialize};
-use std::{any::Any, fmt, panic::AssertUnwindSafe, time::Duration};
+use std::{
+    any::Any,
+    collections::HashMap,
+    fmt,
+    panic::AssertUnwindSafe,
+    sync::{Arc, Mutex, Weak},
+    time::Duration,
+};
+use tokio::sync::Notify;
 
-/// What a failure record's operation adds to the message type: `#failure-` and up to 10 digits.
-const FAILURE_SUFFIX_MAX: usize = "#failure-".len() + 10;
+/// What a message's failure counter adds to the message type to make its operation.
+const FAILURE_COUNTER_SUFFIX: &str = "#failures";
 
-/// The longest message type an inbox accepts, so that its failure records' operation fits in
-/// [`MAX_PART_LEN`].
-pub const MAX_MESSAGE_TYPE_LEN: usize = MAX_PART_LEN - FAILURE_SUFFIX_MAX;
+/// The longest message type an inbox accepts, so that its failure counter's operation fits in
+/// [`MAX_PART_LEN`], and so do the record rows of a store that counts with the provided
+/// [`Store::count_failure`](crate::Store::count_failure).
+pub const MAX_MESSAGE_TYPE_LEN: usize =
+    MAX_PART_LEN - FAILURE_COUNTER_SUFFIX.len() - RECORD_SUFFIX_MAX;
 
-/// The longest error text kept in a failure record or a [`DeliveryAction`].
+/// The longest error text kept in a failure counter or a [`DeliveryAction`].
 const MAX_REASON_CHARS: usize = 1000;
-
-/// How many times a failure record is tried again when the row it met vanished meanwhile.
-const RECORD_ATTEMPTS: u32 = 8;
 
 /// The constructors of a queue message's [`Attempt`]: its idempotency key and fingerprint.
 ///
@@ -345,13 +353,15 @@ pub enum FailureKind {
 /// # Counting failures
 ///
 /// Brokers do not agree on a delivery count (a RabbitMQ classic queue only says *redelivered*,
-/// Kafka says nothing), so the inbox counts failed attempts itself, in the key table, with the
-/// [`Store`](crate::Store) methods alone: the `n`-th failure of a message completes a **failure record**, a row
-/// whose key is the message's with the operation `"{message type}#failure-{n}"` and whose stored
-/// result holds the error. A failed message's own key is released (a redelivery must be able to
-/// run it again), so its row cannot hold the count. The records are inserted under the key
-/// table's unique constraint, so copies failing at the same time count twice, never once; they
-/// expire and are purged with the keys (retention, default 24 h). A message re-driven from a
+/// Kafka says nothing), so the inbox counts failed attempts itself, in the key table. A failed
+/// message's own key is released (a redelivery must be able to run it again), so its row cannot
+/// hold the count: each failing message has a **failure counter**, a completed row of its own
+/// whose key is the message's with the operation `"{message type}#failures"`, holding the count
+/// and, as its stored result, the last error. A failure is counted in one statement
+/// ([`Store::count_failure`](crate::Store::count_failure): an upsert that returns the new count,
+/// on PostgreSQL, MySQL/MariaDB and SQLite), so copies failing at the same time count twice,
+/// never once. The counter expires one retention (default 24 h) after its last failure and is
+/// purged with the keys; a failure after that starts again at 1. A message re-driven from a
 /// dead-letter queue after `max_failures` gets one more attempt per delivery. Deliveries that
 /// found the key in progress are not failures and are not counted; a process that dies inside
 /// the work is not counted either (use the broker's own limit, such as RabbitMQ's quorum-queue
@@ -399,6 +409,41 @@ pub struct Inbox<S> {
     retry_delay: Duration,
     max_retry_delay: Duration,
     in_progress_wait: Duration,
+    /// Copies waiting for a run of this inbox (or a clone) to end, woken when it does.
+    waiting: Arc<Waiting>,
+}
+
+/// The copies of messages that wait for a run of the same inbox to end, by key: a run that ends
+/// (committed, or rolled back and released) wakes them at once, without a round trip, where the
+/// store's own wait would only see it at its next read (every 100 ms on PostgreSQL, where an
+/// inbox sends no `NOTIFY`). Copies whose run is in another process wait for the store alone.
+#[derive(Debug, Default)]
+struct Waiting(Mutex<HashMap<IdempotencyKey, Weak<Notify>>>);
+
+impl Waiting {
+    /// The wake-up of the waiters of `key`, shared with the others waiting for it.
+    fn register(&self, key: &IdempotencyKey) -> Arc<Notify> {
+        let mut waiting = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(notify) = waiting.get(key).and_then(Weak::upgrade) {
+            return notify;
+        }
+        // Entries whose waiters are gone (their run was elsewhere) go when new ones come.
+        waiting.retain(|_, notify| notify.strong_count() > 0);
+        let notify = Arc::new(Notify::new());
+        waiting.insert(key.clone(), Arc::downgrade(&notify));
+        notify
+    }
+
+    /// A run of `key` ended here: wake its waiters.
+    fn ended(&self, key: &IdempotencyKey) {
+        let mut waiting = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if waiting.is_empty() {
+            return;
+        }
+        if let Some(notify) = waiting.remove(key).and_then(|notify| notify.upgrade()) {
+            notify.notify_waiters();
+        }
+    }
 }
 
 impl<S: CompletionSignal> Inbox<S> {
@@ -412,6 +457,7 @@ impl<S: CompletionSignal> Inbox<S> {
             retry_delay: Duration::from_secs(1),
             max_retry_delay: Duration::from_secs(60),
             in_progress_wait: Duration::from_secs(1),
+            waiting: Arc::default(),
         }
     }
 
@@ -502,6 +548,9 @@ impl<S: CompletionSignal> Inbox<S> {
         )
         .catch_unwind()
         .await;
+        if !matches!(ran, Ok(Err(Error::InProgress { .. }))) {
+            self.waiting.ended(key);
+        }
         match ran {
             Ok(Ok(outcome)) => DeliveryAction::Ack {
                 replayed: outcome.is_replayed(),
@@ -554,6 +603,12 @@ impl<S: CompletionSignal> Inbox<S> {
         let performed = AssertUnwindSafe(self.engine.perform(operation, scope, id, request))
             .catch_unwind()
             .await;
+        if !matches!(
+            performed,
+            Ok(Err(PerformError::Reserve(Error::InProgress { .. })))
+        ) {
+            self.waiting.ended(key);
+        }
         let error = match performed {
             Ok(Ok(outcome)) => {
                 return DeliveryAction::Ack {
@@ -597,18 +652,16 @@ impl<S: CompletionSignal> Inbox<S> {
         }
     }
 
-    /// How many failures are recorded for `message` (failure records not yet purged), up to
-    /// [`max_failures`](Self::max_failures).
+    /// How many failures are recorded for `message` (its failure counter, unless past its
+    /// retention), up to [`max_failures`](Self::max_failures).
     pub async fn recorded_failures(&self, message: &Attempt) -> Result<u32, StoreError> {
-        let mut failures = 0;
-        while failures < self.max_failures {
-            let record = failure_key(message.key(), failures + 1)?;
-            if self.engine.store().find(&record).await?.is_none() {
-                break;
-            }
-            failures += 1;
-        }
-        Ok(failures)
+        let counter = failure_counter(message.key())?;
+        let failures = self
+            .engine
+            .store()
+            .failure_count(&counter, self.max_failures)
+            .await?;
+        Ok(failures.min(self.max_failures))
     }
 
     /// The work failed (its transaction rolled back, the key released): count it when it is
@@ -650,8 +703,9 @@ impl<S: CompletionSignal> Inbox<S> {
         }
     }
 
-    /// Records one more failure of the message `key`: completes the first free failure record
-    /// `1..=max_failures` and returns its number, or `max_failures` when all are taken.
+    /// Counts one more failure of the message `key` in its failure counter, in one statement
+    /// ([`Store::count_failure`](crate::Store::count_failure)), and returns the count, at most
+    /// `max_failures`.
     async fn record_failure(
         &self,
         key: &IdempotencyKey,
@@ -660,37 +714,22 @@ impl<S: CompletionSignal> Inbox<S> {
     ) -> Result<u32, StoreError> {
         let result = serde_json::to_vec(&serde_json::json!({ "error": reason }))
             .map_err(|e| StoreError::Corrupt(e.to_string()))?;
-        let store = self.engine.store();
-        let mut number = 1;
-        let mut vanished = 0;
-        while number <= self.max_failures {
-            let record = failure_key(key, number)?;
-            let row = PendingRow {
-                key: &record,
-                fingerprint,
-                token: LeaseToken::new(),
-                effects: Effects::Local,
-                journaled: false,
-                lease: self.engine.lease(),
-                retention: self.engine.retention(),
-            };
-            match store.insert_pending(&row).await? {
-                Insertion::Inserted => {
-                    let mut tx = store.begin().await?;
-                    let completed = store
-                        .complete(&mut tx, &record, row.token, &result, row.retention)
-                        .await?;
-                    if completed {
-                        tx.commit().await?;
-                    }
-                    return Ok(number);
-                }
-                Insertion::Conflict(_) => number += 1,
-                Insertion::Vanished if vanished < RECORD_ATTEMPTS => vanished += 1,
-                Insertion::Vanished => return Err(StoreError::Contention(RECORD_ATTEMPTS)),
-            }
-        }
-        Ok(self.max_failures)
+        let counter = failure_counter(key)?;
+        let row = PendingRow {
+            key: &counter,
+            fingerprint,
+            token: LeaseToken::new(),
+            effects: Effects::Local,
+            journaled: false,
+            lease: self.engine.lease(),
+            retention: self.engine.retention(),
+        };
+        let failures = self
+            .engine
+            .store()
+            .count_failure(&row, &result, self.max_failures)
+            .await?;
+        Ok(failures.min(self.max_failures))
     }
 
     /// The reservation refused, or the store failed (or the work failed: then it is transient).
@@ -754,10 +793,29 @@ impl<S: CompletionSignal> Inbox<S> {
             return DeliveryAction::RetryLater { delay: retry_after };
         }
         let store = self.engine.store();
-        match store
-            .wait_for_completion(key, &fingerprint, self.in_progress_wait)
-            .await
-        {
+        let deadline = tokio::time::Instant::now() + self.in_progress_wait;
+        let wake = self.waiting.register(key);
+        let awaited = loop {
+            // Enabled before the store's first read: a run here that ends from now on wakes it.
+            let woken = wake.notified();
+            tokio::pin!(woken);
+            woken.as_mut().enable();
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            tokio::select! {
+                awaited = store.wait_for_completion(key, &fingerprint, left) => break awaited,
+                () = &mut woken => {}
+            }
+            // The run here ended (committed, or released): read the row at once.
+            match store.find(key).await {
+                Ok(record) => {
+                    if let Some(done) = store::awaited(record, &fingerprint) {
+                        break Ok(done);
+                    }
+                }
+                Err(error) => break Err(error),
+            }
+        };
+        match awaited {
             Ok(Awaited::Completed(_)) => DeliveryAction::Ack { replayed: true },
             // Released, parked, or its lease ended: a new delivery decides, at once.
             Ok(Awaited::Settled) => DeliveryAction::RetryLater {
@@ -797,14 +855,14 @@ fn backoff(first: Duration, max: Duration, failures: u32) -> Duration {
     first.saturating_mul(factor).min(max)
 }
 
-/// The key of the `number`-th failure record of the message `key`.
-fn failure_key(key: &IdempotencyKey, number: u32) -> Result<IdempotencyKey, StoreError> {
+/// The key of the failure counter of the message `key`.
+fn failure_counter(key: &IdempotencyKey) -> Result<IdempotencyKey, StoreError> {
     IdempotencyKey::new(
         key.scope(),
-        format!("{}#failure-{number}", key.operation()),
+        format!("{}{FAILURE_COUNTER_SUFFIX}", key.operation()),
         key.key(),
     )
-    .map_err(|e| StoreError::Corrupt(format!("failure record key: {e}")))
+    .map_err(|e| StoreError::Corrupt(format!("failure counter key: {e}")))
 }
 
 /// `text`, cut to [`MAX_REASON_CHARS`] characters.
@@ -839,9 +897,10 @@ mod tests {
     }
 
     #[test]
-    fn failure_records_fit_the_key() {
+    fn failure_counters_fit_the_key() {
         let key = IdempotencyKey::new("q", "t".repeat(MAX_MESSAGE_TYPE_LEN), "m").unwrap();
-        assert!(failure_key(&key, u32::MAX).is_ok());
+        let counter = failure_counter(&key).unwrap();
+        assert_eq!(counter.operation().len() + RECORD_SUFFIX_MAX, MAX_PART_LEN);
         let long = "t".repeat(MAX_MESSAGE_TYPE_LEN + 1);
         assert!(matches!(
             Attempt::message_bytes("q", &long, "m", b""),

@@ -10,8 +10,8 @@ use futures_util::future::join_all;
 use idempotency::{
     durable::{CallError, Finished, Operation, StepError, Steps},
     queue::{DeadLetter, DeliveryAction, FailureKind, Inbox},
-    store::KeyState,
-    Attempt, Idempotency,
+    store::{KeyState, Maintenance},
+    Attempt, Idempotency, IdempotencyKey,
 };
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -28,6 +28,8 @@ test_support::backend_tests! {
     a_transient_failure_releases_the_key_and_a_redelivery_applies_once,
     a_poison_message_is_dead_lettered_after_max_failures,
     definitive_and_unavailable_failures_are_not_counted,
+    concurrent_failures_of_one_message_are_each_counted,
+    a_failure_counter_expires_with_its_retention_and_is_purged,
     durable_operations_consume_once,
     a_parked_durable_operation_is_dead_lettered_with_its_reason,
 }
@@ -553,6 +555,104 @@ impl<S: Harness> Operation<S> for Mail {
             .await?;
         unreachable!("the answer is always lost")
     }
+}
+
+/// Copies of one message that fail at the same time: each failure is counted, never two as one.
+/// `COPIES` consumers each deliver the message until their delivery fails (a delivery that finds
+/// another copy running is redelivered); every failure then counts.
+async fn concurrent_failures_of_one_message_are_each_counted<S: Harness>(store: S) {
+    const COPIES: u32 = 12;
+    let inbox = inbox(&store)
+        .with_max_failures(10 * COPIES)
+        .with_in_progress_wait(Duration::ZERO);
+    let trial = unique("failing-copies");
+    let message = message(&trial, json!({ "cents": 21 }));
+    let barrier = Arc::new(Barrier::new(COPIES as usize));
+    let copies: Vec<_> = (0..COPIES)
+        .map(|_| {
+            let (inbox, message, trial, barrier) = (
+                inbox.clone(),
+                message.clone(),
+                trial.clone(),
+                barrier.clone(),
+            );
+            tokio::spawn(async move {
+                barrier.wait().await;
+                let deadline = tokio::time::Instant::now() + WAIT;
+                loop {
+                    match deliver_failing(&inbox, &message, &trial, "boom").await {
+                        DeliveryAction::RetryLater { .. }
+                            if tokio::time::Instant::now() < deadline =>
+                        {
+                            tokio::time::sleep(Duration::from_millis(1)).await
+                        }
+                        other => return other,
+                    }
+                }
+            })
+        })
+        .collect();
+    for copy in join_all(copies).await {
+        let action = copy.expect("a copy");
+        assert!(
+            matches!(&action, DeliveryAction::Retry { reason, .. } if reason == "boom"),
+            "{}: {action:?}",
+            S::NAME
+        );
+    }
+    assert_eq!(
+        inbox.recorded_failures(&message).await.unwrap(),
+        COPIES,
+        "{}: every failure counted",
+        S::NAME
+    );
+    assert_eq!(store.count_effects(&trial).await, 0, "never applied");
+}
+
+/// A failure counter lives one retention after its last failure: then it reads 0, the next
+/// failure counts 1 again, and the purge deletes it with the keys.
+async fn a_failure_counter_expires_with_its_retention_and_is_purged<S: Harness + Maintenance>(
+    store: S,
+) {
+    // Retention zero: every row written is past its retention at once.
+    let inbox = Inbox::new(Idempotency::new(store.clone()).with_retention(Duration::ZERO))
+        .with_retry_delay(Duration::from_millis(10))
+        .with_max_retry_delay(Duration::from_millis(40));
+    let trial = unique("expiring");
+    let message = message(&trial, json!({ "cents": 34 }));
+    let first = deliver_failing(&inbox, &message, &trial, "boom 1").await;
+    assert_eq!(first.delay(), Some(Duration::from_millis(10)), "{first:?}");
+    assert_eq!(
+        inbox.recorded_failures(&message).await.unwrap(),
+        0,
+        "expired"
+    );
+    // Counted from 1 again: the first delay, not the doubled one.
+    let second = deliver_failing(&inbox, &message, &trial, "boom 2").await;
+    assert_eq!(
+        second.delay(),
+        Some(Duration::from_millis(10)),
+        "{second:?}"
+    );
+
+    let counter = IdempotencyKey::new(QUEUE, format!("{TYPE}#failures"), &trial).unwrap();
+    let row = store
+        .find(&counter)
+        .await
+        .unwrap()
+        .expect("the counter's row");
+    assert_eq!(row.state, KeyState::Completed);
+    assert_eq!(row.recovery_attempts, 1);
+    assert_eq!(
+        row.result.as_deref(),
+        Some(br#"{"error":"boom 2"}"#.as_slice())
+    );
+    while store.purge_batch(100).await.unwrap() > 0 {}
+    assert!(
+        store.find(&counter).await.unwrap().is_none(),
+        "{}: purged with the keys",
+        S::NAME
+    );
 }
 
 async fn durable_operations_consume_once<S: Harness>(store: S) {

@@ -51,6 +51,16 @@ async fn race_under_repeatable_read_default() {
     }
 }
 
+/// Concurrent failure counts on one counter under SERIALIZABLE: an upsert that meets a row
+/// changed after its snapshot fails with 40001 and is tried again; every failure still counts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn failure_counts_under_serializable_default() {
+    if let Some(store) = store_with_default_isolation("serializable").await {
+        let profile = idempotency::store::testing::Profile::default();
+        idempotency::store::testing::protocol::concurrent_failures_each_count(store, profile).await;
+    }
+}
+
 /// The key columns compare byte by byte (migration 2), whatever the database's locale.
 #[tokio::test]
 async fn key_columns_collate_as_bytes() {

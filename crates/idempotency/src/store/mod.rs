@@ -4,6 +4,7 @@
 //! that changes a row is *conditional*: it names the lease token it expects, so a stale worker, a
 //! recovery job and a retry can never both act on one key.
 
+pub(crate) mod failures;
 pub(crate) mod history;
 pub(crate) mod maintenance;
 #[cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql"))]
@@ -579,6 +580,67 @@ pub trait Store: Clone + Send + Sync + 'static {
         reason: &str,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send {
         self.park(key, token, reason)
+    }
+
+    /// Counts one more failure in the **failure counter** `counter`, a `completed` row of its
+    /// own that holds the count in `recovery_attempts` and the last failure's `result` as its
+    /// stored result (the [`Inbox`](crate::queue::Inbox) keeps one per failing message, keyed
+    /// `"{message type}#failures"`), and returns the count: 1 for a new row or for one past its
+    /// retention, else one more than the row held. The row then expires `counter.retention` from
+    /// now (by the database clock), and is purged with the keys. Concurrent calls each count:
+    /// `n` copies failing at once leave `n` more, never fewer.
+    ///
+    /// The stores of this crate do it in one statement (an upsert that returns the count). The
+    /// provided implementation, for a store without an upsert, completes one record row per
+    /// failure instead (`"{counter's operation}-{n}"`, the first free `n` of `1..=limit`) and
+    /// stops counting at `limit`.
+    ///
+    /// ```no_run
+    /// # #[cfg(feature = "sqlite")]
+    /// # async fn demo(store: idempotency::SqliteStore) -> Result<(), Box<dyn std::error::Error>> {
+    /// use idempotency::{store::{LeaseToken, PendingRow}, Effects, Fingerprint, IdempotencyKey, Store};
+    /// use std::time::Duration;
+    /// let counter = IdempotencyKey::new("orders", "order.paid#failures", "m-1")?;
+    /// let row = PendingRow {
+    ///     key: &counter,
+    ///     fingerprint: Fingerprint::of_bytes(b"payload"),
+    ///     token: LeaseToken::new(),
+    ///     effects: Effects::Local,
+    ///     journaled: false,
+    ///     lease: Duration::from_secs(10),
+    ///     retention: Duration::from_secs(86_400),
+    /// };
+    /// let failures = store.count_failure(&row, br#"{"error":"timeout"}"#, 5).await?;
+    /// assert_eq!(store.failure_count(&counter, 5).await?, failures);
+    /// # Ok(()) }
+    /// ```
+    fn count_failure(
+        &self,
+        counter: &PendingRow<'_>,
+        result: &[u8],
+        limit: u32,
+    ) -> impl Future<Output = Result<u32, StoreError>> + Send {
+        failures::count_by_records(self, counter, result, limit)
+    }
+
+    /// The count of the failure counter `counter` ([`count_failure`](Store::count_failure)): 0
+    /// when it has no row or its row is past its retention. The provided implementation counts
+    /// the record rows of its `count_failure`, up to `limit`.
+    ///
+    /// ```no_run
+    /// # #[cfg(feature = "sqlite")]
+    /// # async fn demo(store: idempotency::SqliteStore) -> Result<(), Box<dyn std::error::Error>> {
+    /// use idempotency::{IdempotencyKey, Store};
+    /// let counter = IdempotencyKey::new("orders", "order.paid#failures", "never-failed")?;
+    /// assert_eq!(store.failure_count(&counter, 5).await?, 0);
+    /// # Ok(()) }
+    /// ```
+    fn failure_count(
+        &self,
+        counter: &IdempotencyKey,
+        limit: u32,
+    ) -> impl Future<Output = Result<u32, StoreError>> + Send {
+        failures::count_records(self, counter, limit)
     }
 }
 

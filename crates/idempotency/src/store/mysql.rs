@@ -631,6 +631,23 @@ impl Store for MySqlStore {
         })
         .await
     }
+
+    async fn count_failure(
+        &self,
+        counter: &PendingRow<'_>,
+        result: &[u8],
+        _limit: u32,
+    ) -> Result<u32, StoreError> {
+        self.upsert_failure(counter, result).await
+    }
+
+    async fn failure_count(
+        &self,
+        counter: &IdempotencyKey,
+        _limit: u32,
+    ) -> Result<u32, StoreError> {
+        self.read_failure_count(counter).await
+    }
 }
 
 impl super::Journal for MySqlStore {
@@ -1226,6 +1243,73 @@ impl super::Maintenance for MySqlStore {
             expired_leases: summary.try_get::<i64, _>("expired_leases")?.max(0) as u64,
             purgeable: summary.try_get::<i64, _>("purgeable")?.max(0) as u64,
         })
+    }
+}
+
+// --- Failure counters: one upsert per failure ----------------------------------------------------
+
+/// How many times a failure count is tried again when InnoDB rolled it back (a deadlock among
+/// concurrent upserts of one new row, or a lock wait timeout): nothing was written, so it counts
+/// once when tried again.
+const FAILURE_COUNT_ATTEMPTS: u32 = 64;
+
+/// [`Store::count_failure`]: inserts the counter at 1, or adds 1 to it (back to 1 when it was
+/// past its retention; the assignments run left to right, so `recovery_attempts` reads the old
+/// `expires_at`). The count is also handed to `LAST_INSERT_ID(…)`, which the server returns in
+/// the statement's OK packet: no second statement reads it back. `ON DUPLICATE KEY UPDATE`
+/// locks the row, so concurrent upserts queue on it and each adds its own 1 to the latest count.
+const COUNT_FAILURE: &str = "INSERT INTO idempotency_keys
+        (scope, operation, idem_key, state, effects, fingerprint, lease_token, lease_until,
+         created_at, updated_at, expires_at, result, recovery_attempts)
+    VALUES (?, ?, ?, 'completed', 'local', ?, ?, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6),
+            UTC_TIMESTAMP(6), UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND, ?, LAST_INSERT_ID(1))
+    ON DUPLICATE KEY UPDATE
+        recovery_attempts = LAST_INSERT_ID(
+            IF(expires_at <= UTC_TIMESTAMP(6), 1, recovery_attempts + 1)),
+        state = 'completed', fingerprint = ?, result = ?, updated_at = UTC_TIMESTAMP(6),
+        expires_at = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND";
+
+impl MySqlStore {
+    /// [`Store::count_failure`] in one statement ([`COUNT_FAILURE`]).
+    async fn upsert_failure(
+        &self,
+        counter: &PendingRow<'_>,
+        result: &[u8],
+    ) -> Result<u32, StoreError> {
+        let retention = micros(counter.retention);
+        for _ in 0..FAILURE_COUNT_ATTEMPTS {
+            let count = sqlx::query(COUNT_FAILURE)
+                .bind(counter.key.scope().as_bytes())
+                .bind(counter.key.operation().as_bytes())
+                .bind(counter.key.key().as_bytes())
+                .bind(counter.fingerprint.as_bytes().as_slice())
+                .bind(counter.token.0.as_bytes().as_slice())
+                .bind(retention)
+                .bind(result)
+                .bind(counter.fingerprint.as_bytes().as_slice())
+                .bind(result)
+                .bind(retention);
+            match count.execute(&self.pool).await {
+                Ok(done) => return Ok(u32::try_from(done.last_insert_id()).unwrap_or(u32::MAX)),
+                Err(e) if lost_race(&e) => continue,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Err(StoreError::Contention(FAILURE_COUNT_ATTEMPTS))
+    }
+
+    /// [`Store::failure_count`]: the counter's count, 0 when it is missing or expired.
+    async fn read_failure_count(&self, counter: &IdempotencyKey) -> Result<u32, StoreError> {
+        let count: Option<i32> = sqlx::query_scalar(
+            "SELECT recovery_attempts FROM idempotency_keys
+              WHERE scope = ? AND operation = ? AND idem_key = ? AND expires_at > UTC_TIMESTAMP(6)",
+        )
+        .bind(counter.scope().as_bytes())
+        .bind(counter.operation().as_bytes())
+        .bind(counter.key().as_bytes())
+        .fetch_optional(&self.pool)
+        .await?;
+        Ok(count.unwrap_or(0).max(0) as u32)
     }
 }
 

@@ -628,6 +628,23 @@ impl Store for PgStore {
             Err(e) => Err(e.into()),
         }
     }
+
+    async fn count_failure(
+        &self,
+        counter: &PendingRow<'_>,
+        result: &[u8],
+        _limit: u32,
+    ) -> Result<u32, StoreError> {
+        self.upsert_failure(counter, result).await
+    }
+
+    async fn failure_count(
+        &self,
+        counter: &IdempotencyKey,
+        _limit: u32,
+    ) -> Result<u32, StoreError> {
+        self.read_failure_count(counter).await
+    }
 }
 
 impl super::Journal for PgStore {
@@ -1411,6 +1428,75 @@ async fn listen(
                 return;
             }
         }
+    }
+}
+
+// --- Failure counters: one upsert per failure ----------------------------------------------------
+
+/// How many times a failure count is tried again after a serialization failure (a server whose
+/// default isolation is REPEATABLE READ or SERIALIZABLE, where an upsert that meets a row changed
+/// after its snapshot fails instead of waiting; nothing was written, so it counts once when
+/// tried again).
+const FAILURE_COUNT_ATTEMPTS: u32 = 64;
+
+/// [`Store::count_failure`]: inserts the counter at 1, or adds 1 to it (back to 1 when it was
+/// past its retention), and returns the count. `ON CONFLICT DO UPDATE` locks the row, so
+/// concurrent upserts queue on it and each adds its own 1 to the latest count.
+const COUNT_FAILURE: &str = "INSERT INTO idempotency_keys AS k
+        (scope, operation, idem_key, state, effects, fingerprint, lease_token, lease_until,
+         expires_at, result, recovery_attempts)
+    VALUES ($1, $2, $3, 'completed', 'local', $4, $5, now(),
+            now() + $6 * INTERVAL '1 millisecond', $7, 1)
+    ON CONFLICT (scope, operation, idem_key) DO UPDATE SET
+        recovery_attempts = CASE WHEN k.expires_at <= now() THEN 1
+                                 ELSE k.recovery_attempts + 1 END,
+        state = 'completed', fingerprint = EXCLUDED.fingerprint, result = EXCLUDED.result,
+        updated_at = now(), expires_at = EXCLUDED.expires_at
+    RETURNING recovery_attempts";
+
+impl PgStore {
+    /// [`Store::count_failure`] in one statement ([`COUNT_FAILURE`]).
+    async fn upsert_failure(
+        &self,
+        counter: &PendingRow<'_>,
+        result: &[u8],
+    ) -> Result<u32, StoreError> {
+        for _ in 0..FAILURE_COUNT_ATTEMPTS {
+            let count = sqlx::query(COUNT_FAILURE)
+                .bind(counter.key.scope())
+                .bind(counter.key.operation())
+                .bind(counter.key.key())
+                .bind(counter.fingerprint.as_bytes().as_slice())
+                .bind(counter.token.0)
+                .bind(counter.retention_millis())
+                .bind(result);
+            match self.row(count).await {
+                Ok(row) => return Ok(row.try_get::<i32, _>("recovery_attempts")?.max(0) as u32),
+                Err(e) if lost_race(&e) => continue,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Err(StoreError::Contention(FAILURE_COUNT_ATTEMPTS))
+    }
+
+    /// [`Store::failure_count`]: the counter's count, 0 when it is missing or expired.
+    async fn read_failure_count(&self, counter: &IdempotencyKey) -> Result<u32, StoreError> {
+        let row = self
+            .maybe_row(
+                sqlx::query(
+                    "SELECT recovery_attempts FROM idempotency_keys
+                      WHERE scope = $1 AND operation = $2 AND idem_key = $3
+                        AND expires_at > now()",
+                )
+                .bind(counter.scope())
+                .bind(counter.operation())
+                .bind(counter.key()),
+            )
+            .await?;
+        let count = row
+            .map(|row| row.try_get::<i32, _>("recovery_attempts"))
+            .transpose()?;
+        Ok(count.unwrap_or(0).max(0) as u32)
     }
 }
 

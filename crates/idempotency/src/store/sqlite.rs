@@ -576,6 +576,23 @@ impl Store for SqliteStore {
         let claimed = self.recorded(key, EventKind::Claimed, None, false, statement);
         Ok(claimed.await? == 1)
     }
+
+    async fn count_failure(
+        &self,
+        counter: &PendingRow<'_>,
+        result: &[u8],
+        _limit: u32,
+    ) -> Result<u32, StoreError> {
+        self.upsert_failure(counter, result).await
+    }
+
+    async fn failure_count(
+        &self,
+        counter: &IdempotencyKey,
+        _limit: u32,
+    ) -> Result<u32, StoreError> {
+        self.read_failure_count(counter).await
+    }
 }
 
 impl super::Journal for SqliteStore {
@@ -1030,5 +1047,73 @@ impl super::Maintenance for SqliteStore {
             expired_leases: summary.try_get::<i64, _>("expired_leases")?.max(0) as u64,
             purgeable: summary.try_get::<i64, _>("purgeable")?.max(0) as u64,
         })
+    }
+}
+
+// --- Failure counters: one upsert per failure ----------------------------------------------------
+
+/// [`Store::count_failure`]: inserts the counter at 1, or adds 1 to it (back to 1 when it was
+/// past its retention), and returns the count. It runs on the one writer connection, so
+/// concurrent counts follow each other and each adds its own 1.
+const COUNT_FAILURE: &str = concat!(
+    "INSERT INTO idempotency_keys
+        (scope, operation, idem_key, state, effects, fingerprint, lease_token, lease_until,
+         created_at, updated_at, expires_at, result, recovery_attempts)
+     VALUES (?1, ?2, ?3, 'completed', 'local', ?4, ?5, ",
+    now_ms!(),
+    ", ",
+    now_ms!(),
+    ", ",
+    now_ms!(),
+    ", ",
+    now_ms!(),
+    " + ?6, ?7, 1)
+     ON CONFLICT (scope, operation, idem_key) DO UPDATE SET
+        recovery_attempts = CASE WHEN expires_at <= ",
+    now_ms!(),
+    " THEN 1 ELSE recovery_attempts + 1 END,
+        state = 'completed', fingerprint = excluded.fingerprint, result = excluded.result,
+        updated_at = excluded.updated_at, expires_at = excluded.expires_at
+     RETURNING recovery_attempts"
+);
+
+impl SqliteStore {
+    /// [`Store::count_failure`] in one statement ([`COUNT_FAILURE`]), on the writer, in a task
+    /// that runs to the end.
+    async fn upsert_failure(
+        &self,
+        counter: &PendingRow<'_>,
+        result: &[u8],
+    ) -> Result<u32, StoreError> {
+        let count = sqlx::query_scalar::<_, i64>(COUNT_FAILURE)
+            .bind(counter.key.scope().to_owned())
+            .bind(counter.key.operation().to_owned())
+            .bind(counter.key.key().to_owned())
+            .bind(counter.fingerprint.as_bytes().to_vec())
+            .bind(counter.token.0.as_bytes().to_vec())
+            .bind(counter.retention_millis())
+            .bind(result.to_vec());
+        let writer = self.writer.clone();
+        let count = super::uncancellable(async move {
+            let mut conn = writer.acquire().await?;
+            Ok(count.fetch_one(&mut *conn).await?)
+        })
+        .await?;
+        Ok(u32::try_from(count.max(0)).unwrap_or(u32::MAX))
+    }
+
+    /// [`Store::failure_count`]: the counter's count, 0 when it is missing or expired.
+    async fn read_failure_count(&self, counter: &IdempotencyKey) -> Result<u32, StoreError> {
+        let count: Option<i64> = sqlx::query_scalar(concat!(
+            "SELECT recovery_attempts FROM idempotency_keys
+              WHERE scope = ?1 AND operation = ?2 AND idem_key = ?3 AND expires_at > ",
+            now_ms!()
+        ))
+        .bind(counter.scope())
+        .bind(counter.operation())
+        .bind(counter.key())
+        .fetch_optional(&self.pool)
+        .await?;
+        Ok(u32::try_from(count.unwrap_or(0).max(0)).unwrap_or(u32::MAX))
     }
 }

@@ -6,7 +6,7 @@
 //!
 //! | suite | the store implements | what it proves |
 //! |---|---|---|
-//! | `protocol` | [`Store`] | the article's protocol through [`Idempotency`]: replays, reused keys, releases after failures, panics and cancellations, takeover and fencing, the heartbeat, the replay read, racing duplicates executing once |
+//! | `protocol` | [`Store`] | the article's protocol through [`Idempotency`]: replays, reused keys, releases after failures, panics and cancellations, takeover and fencing, the heartbeat, the replay read, racing duplicates executing once, failure counters counting every concurrent failure |
 //! | `journal` | [`Journal`](crate::store::Journal) | the statements of durable steps and recovery, fenced by the lease token |
 //! | `reserve_in_transaction` | [`ReserveInTransaction`](crate::store::ReserveInTransaction) | the single-transaction mode |
 //! | `completion_signal` | [`CompletionSignal`](crate::store::CompletionSignal) | waiting for a pending key to settle |
@@ -37,6 +37,8 @@
 
 #[doc(hidden)]
 pub mod completion_signal;
+#[doc(hidden)]
+pub mod failure_count;
 #[doc(hidden)]
 pub mod journal;
 #[doc(hidden)]
@@ -523,6 +525,8 @@ macro_rules! __conformance_suite {
             a_cancelled_reservation_leaves_no_pending_key,
             work_borrowing_the_request_is_send_and_runs_once,
             concurrent_duplicates_execute_exactly_once,
+            failures_are_counted_one_by_one,
+            concurrent_failures_each_count,
         );
     };
     (journal, $open:expr, $profile:expr) => {

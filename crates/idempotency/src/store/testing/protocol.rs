@@ -1,6 +1,9 @@
 //! The article's protocol on any [`Store`]: replays, reused keys, releases after failures,
 //! panics and cancellations, lease takeover and fencing, external work left pending, the
-//! heartbeat, the replay read, and racing duplicates executing once.
+//! heartbeat, the replay read, and racing duplicates executing once; and the failure counter
+//! (its scenarios live in `failure_count`).
+
+pub use super::failure_count::{concurrent_failures_each_count, failures_are_counted_one_by_one};
 
 use super::{
     attempt, count_effects, insert_effect, poll_then_drop, purchase, race, store_name, unique,
