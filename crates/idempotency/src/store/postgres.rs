@@ -71,31 +71,19 @@ macro_rules! columns {
 }
 
 /// The reservation statement; `$9` chooses `synchronous_commit` for its own (autocommit)
-/// transaction.
-macro_rules! reserve_sql {
-    () => {
-        concat!(
-            "WITH durability AS (SELECT set_config('synchronous_commit', $9, true) AS level),
-            inserted AS (
-                INSERT INTO idempotency_keys
-                    (scope, operation, idem_key, state, effects, fingerprint, lease_token, lease_until, expires_at)
-                VALUES ($1, $2, $3, 'pending', $4, $5, $6,
-                        now() + $7 * INTERVAL '1 millisecond', now() + $8 * INTERVAL '1 millisecond')
-                ON CONFLICT (scope, operation, idem_key) DO NOTHING
-                RETURNING 1
-            )
-            SELECT EXISTS (SELECT 1 FROM inserted) AS inserted, (SELECT level FROM durability) AS level, ",
-            columns!(),
-            // The row is read only when the INSERT did not insert: the subquery's condition on
-            // `inserted` alone is a one-time filter that skips the index scan.
-            " FROM (VALUES (1)) AS one (x)
-              LEFT JOIN (SELECT * FROM idempotency_keys
-                          WHERE NOT EXISTS (SELECT 1 FROM inserted)
-                            AND scope = $1 AND operation = $2 AND idem_key = $3) k ON true"
-        )
-    };
-}
-const RESERVE: &str = reserve_sql!();
+/// transaction. It returns a row when it inserted, none on a conflict: the conflicting row is
+/// then read by a second statement ([`read_conflict`](super::read_conflict)). Reading it in the
+/// same statement (a join on the key) made every first request's statement larger for the
+/// sake of duplicates, which mostly read first anyway
+/// ([`replays_first`](crate::Idempotency::replays_first)).
+const RESERVE: &str = "WITH durability AS (SELECT set_config('synchronous_commit', $9, true) AS level)
+    INSERT INTO idempotency_keys
+        (scope, operation, idem_key, state, effects, fingerprint, lease_token, lease_until, expires_at)
+    SELECT $1, $2, $3, 'pending', $4, $5, $6,
+           now() + $7 * INTERVAL '1 millisecond', now() + $8 * INTERVAL '1 millisecond'
+      FROM durability
+    ON CONFLICT (scope, operation, idem_key) DO NOTHING
+    RETURNING 1 AS inserted";
 
 /// `synchronous_commit` for a reservation: `off` unless it must be flushed on its own
 /// ([`PendingRow::must_flush_reservation`], which gives the argument and its proof).
@@ -405,21 +393,15 @@ impl Store for PgStore {
         let answer = if row.records_history() {
             self.reserve_recorded(row.key, reserve).await
         } else {
-            self.row(reserve).await
+            self.maybe_row(reserve).await
         };
-        let answer = match answer {
-            Ok(answer) => answer,
-            Err(e) if lost_race(&e) => return super::read_conflict(self, row.key).await,
-            Err(e) => return Err(e.into()),
-        };
-        if answer.try_get::<bool, _>("inserted")? {
-            return Ok(Insertion::Inserted);
+        match answer {
+            Ok(Some(_)) => Ok(Insertion::Inserted),
+            // A conflict: the row, as committed now.
+            Ok(None) => super::read_conflict(self, row.key).await,
+            Err(e) if lost_race(&e) => super::read_conflict(self, row.key).await,
+            Err(e) => Err(e.into()),
         }
-        if answer.try_get::<Option<String>, _>("scope")?.is_some() {
-            return Ok(Insertion::Conflict(record(&answer)?));
-        }
-        // The conflicting row was committed after this statement's snapshot: read it anew.
-        super::read_conflict(self, row.key).await
     }
 
     async fn find(&self, key: &IdempotencyKey) -> Result<Option<KeyRecord>, StoreError> {
@@ -791,11 +773,11 @@ impl PgStore {
         &self,
         key: &IdempotencyKey,
         reserve: PgQuery<'_>,
-    ) -> Result<PgRow, sqlx::Error> {
+    ) -> Result<Option<PgRow>, sqlx::Error> {
         let named = self.named().await?;
         let mut tx = self.pool.begin().await?;
-        let answer = reserve.persistent(named).fetch_one(&mut *tx).await?;
-        if answer.try_get::<bool, _>("inserted")? {
+        let answer = reserve.persistent(named).fetch_optional(&mut *tx).await?;
+        if answer.is_some() {
             append(
                 &mut tx,
                 key,
