@@ -1013,7 +1013,7 @@ impl<S: Store> Idempotency<S> {
     /// (`sqlx::Error`, your own `thiserror` enum), `anyhow::Error`, `String` and `&str`. `run`
     /// hands it back untouched, as [`Error::Operation`]; the steps and the inbox, which must keep
     /// or report an error of any work, turn it into a [`BoxError`] ([`StepError::Local`](crate::durable::StepError::Local))
-    /// or its text (a failure record, [`DeliveryAction::Retry`](crate::queue::DeliveryAction::Retry)).
+    /// or its text (the failure counter's last error, [`DeliveryAction::Retry`](crate::queue::DeliveryAction::Retry)).
     /// This is the widest bound all of them can live with: `Display` alone could not be boxed
     /// as an error source, and `std::error::Error + 'static` alone would refuse `anyhow::Error`
     /// and plain strings. Unlike sqlx's `Connection::transaction`, no `E: From<sqlx::Error>` is
