@@ -101,3 +101,66 @@ async fn key_columns_collate_as_bytes() {
         "{expiry_indexes:?}"
     );
 }
+
+/// The single-transaction mode writes its key row once into the table's indexes: the row is
+/// inserted `completed` without a result, so the completion in the same transaction changes no
+/// indexed column and PostgreSQL makes it a HOT update (no index entry written). The table is
+/// new, so the row's page has room for the new version.
+#[tokio::test]
+async fn a_single_transaction_completion_is_a_hot_update() {
+    use idempotency::{
+        store::{Effects, KeyState, LeaseToken, PendingRow, ReserveInTransaction, ReservedIn},
+        Fingerprint, IdempotencyKey,
+    };
+    use std::time::Duration;
+    let Some(store) = <PgStore as Harness>::open().await else {
+        return;
+    };
+    let key = IdempotencyKey::new("user-1", "orders", common::unique("hot")).unwrap();
+    let row = PendingRow {
+        key: &key,
+        fingerprint: Fingerprint::of_bytes(b"request"),
+        token: LeaseToken::new(),
+        effects: Effects::Local,
+        journaled: false,
+        lease: Duration::from_secs(60),
+        retention: Duration::from_secs(3_600),
+    };
+    let mut tx = store.begin().await.unwrap();
+    let reserved = store
+        .reserve_in(&mut tx, &row, Duration::from_secs(5))
+        .await
+        .unwrap();
+    assert_eq!(reserved, ReservedIn::Inserted);
+    let completed = store
+        .complete(&mut tx, &key, row.token, br#"{"order":1}"#, row.retention)
+        .await
+        .unwrap();
+    assert!(completed);
+    // A second completion by the same holder finds nothing left to complete.
+    let again = store
+        .complete(&mut tx, &key, row.token, br#"{"order":2}"#, row.retention)
+        .await
+        .unwrap();
+    assert!(!again);
+    let (updated, hot): (i64, i64) = sqlx::query_as(
+        "SELECT pg_stat_get_xact_tuples_updated('idempotency_keys'::regclass),
+                pg_stat_get_xact_tuples_hot_updated('idempotency_keys'::regclass)",
+    )
+    .fetch_one(&mut *tx)
+    .await
+    .unwrap();
+    assert_eq!((updated, hot), (1, 1), "(updated, of them HOT)");
+    tx.commit().await.unwrap();
+    let record = store.find(&key).await.unwrap().expect("the committed row");
+    assert_eq!(record.state, KeyState::Completed);
+    assert_eq!(record.result.as_deref(), Some(&br#"{"order":1}"#[..]));
+    // Another holder's token completes nothing, committed or not.
+    let mut tx = store.begin().await.unwrap();
+    let stranger = store
+        .complete(&mut tx, &key, LeaseToken::new(), b"{}", row.retention)
+        .await
+        .unwrap();
+    assert!(!stranger);
+    tx.rollback().await.unwrap();
+}
