@@ -86,7 +86,8 @@ async fn key_columns_collate_as_bytes() {
     .unwrap();
     assert_eq!(expiry_indexes.len(), 1, "{expiry_indexes:?}");
     assert!(
-        expiry_indexes[0].contains("WHERE (state = ANY (ARRAY['completed'::text, 'failed'::text]))"),
+        expiry_indexes[0]
+            .contains("WHERE (state = ANY (ARRAY['completed'::text, 'failed'::text]))"),
         "{expiry_indexes:?}"
     );
 }
