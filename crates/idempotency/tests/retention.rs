@@ -349,3 +349,55 @@ async fn large_purge_runs_beside_a_busy_writer<S: Bulk>(store: S) {
         errors.len()
     );
 }
+
+/// SQLite indexes the expiry of settled keys only (a reservation writes one index entry less),
+/// and the purge's and the count's condition, copied here from the store, searches that index.
+#[tokio::test]
+async fn sqlite_indexes_the_expiry_of_settled_keys_only() {
+    let store = <SqliteStore as Harness>::open().await.expect("sqlite");
+    let applied: Vec<i64> =
+        sqlx::query_scalar("SELECT version FROM idempotency_schema_migrations ORDER BY version")
+            .fetch_all(store.pool())
+            .await
+            .unwrap();
+    assert_eq!(applied, [1, 2, 3, 4]);
+    let expiry_indexes: Vec<(String, String)> = sqlx::query_as(
+        "SELECT name, sql FROM sqlite_master
+          WHERE type = 'index' AND tbl_name = 'idempotency_keys' AND sql LIKE '%(expires_at)%'",
+    )
+    .fetch_all(store.pool())
+    .await
+    .unwrap();
+    assert_eq!(expiry_indexes.len(), 1, "{expiry_indexes:?}");
+    let (name, sql) = &expiry_indexes[0];
+    assert_eq!(name, "idempotency_keys_settled_expiry");
+    assert!(
+        sql.contains("WHERE state IN ('completed', 'failed')"),
+        "{sql}"
+    );
+    const SETTLED_AND_EXPIRED: &str =
+        "state IN ('completed', 'failed') AND expires_at <= CAST(unixepoch('subsec') * 1000 AS INTEGER)";
+    let statements = [
+        format!("SELECT count(*) FROM idempotency_keys WHERE {SETTLED_AND_EXPIRED}"),
+        format!(
+            "DELETE FROM idempotency_keys WHERE (scope, operation, idem_key) IN (
+                SELECT scope, operation, idem_key FROM idempotency_keys
+                 WHERE {SETTLED_AND_EXPIRED}
+                 ORDER BY expires_at, scope, operation, idem_key LIMIT 1000)"
+        ),
+    ];
+    for statement in statements {
+        let plan: Vec<(i64, i64, i64, String)> =
+            sqlx::query_as(&format!("EXPLAIN QUERY PLAN {statement}"))
+                .fetch_all(store.pool())
+                .await
+                .unwrap();
+        assert!(
+            plan.iter().any(|(_, _, _, detail)| {
+                detail.contains("USING INDEX idempotency_keys_settled_expiry")
+                    || detail.contains("USING COVERING INDEX idempotency_keys_settled_expiry")
+            }),
+            "{statement}: {plan:?}"
+        );
+    }
+}

@@ -17,6 +17,7 @@ pub mod app;
 pub mod auth;
 pub mod bench;
 pub mod client;
+mod cpu;
 pub mod db;
 pub mod events;
 pub mod heap;

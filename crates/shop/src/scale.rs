@@ -6,12 +6,14 @@
 use crate::{
     bench::{self, BenchArgs, Scenario, Worker},
     client::Client,
+    cpu::Server,
 };
 use anyhow::Context;
 use idempotency::{maintenance::Purge, PgStore};
 use sqlx::{postgres::PgConnectOptions, ConnectOptions, Connection, PgConnection};
 use std::{
     str::FromStr,
+    sync::Arc,
     time::{Duration, Instant},
 };
 
@@ -121,15 +123,22 @@ async fn table_size(url: &str) -> anyhow::Result<String> {
 /// p99 of first requests (ms), measured in one-second slices while `busy` says so.
 async fn first_request_p99(
     client: &Client,
-    workers: &[Worker],
+    workers: &Arc<[Worker]>,
     mut busy: impl FnMut(usize) -> bool,
 ) -> anyhow::Result<(f64, u64)> {
     client.take_latency();
     let mut requests = 0;
     let mut slice = 0;
     while busy(slice) {
-        let tally =
-            bench::measure(client, workers, Scenario::Protected, Duration::from_secs(1)).await?;
+        let second = Duration::from_secs(1);
+        let tally = bench::measure(
+            client,
+            workers,
+            Scenario::Protected,
+            second,
+            Server::Postgres,
+        )
+        .await?;
         requests += tally.requests;
         slice += 1;
     }
@@ -142,7 +151,7 @@ async fn purge_pass(
     args: &ScaleArgs,
     url: &str,
     client: &Client,
-    workers: &[Worker],
+    workers: &Arc<[Worker]>,
 ) -> anyhow::Result<()> {
     let filled = fill(url, args.expired, -3600).await?;
     println!(
@@ -201,7 +210,10 @@ async fn measure_at_scale(args: &ScaleArgs, url: &str) -> anyhow::Result<()> {
     for &concurrency in &args.bench.concurrency {
         let workers =
             bench::prepare(&client, &format!("{run}-c{concurrency}"), concurrency).await?;
-        empty.push(bench::measure_concurrency(&client, &workers, &args.bench, "empty").await?);
+        empty.push(
+            bench::measure_concurrency(&client, &workers, &args.bench, "empty", Server::Postgres)
+                .await?,
+        );
         pools.push(workers);
     }
     let filled = fill(url, args.keys, 86_400).await?;
@@ -214,7 +226,9 @@ async fn measure_at_scale(args: &ScaleArgs, url: &str) -> anyhow::Result<()> {
     bench::print_header(&format!("PostgreSQL, key table: {size}"));
     for (workers, before) in pools.iter().zip(&empty) {
         let label = format!("{} keys", args.keys);
-        let after = bench::measure_concurrency(&client, workers, &args.bench, &label).await?;
+        let after =
+            bench::measure_concurrency(&client, workers, &args.bench, &label, Server::Postgres)
+                .await?;
         println!(
             "scale: c={}: with {} keys / empty: first request ratio {:.2} / {:.2} = {:.2}x, replay ratio {:.2} / {:.2} = {:.2}x (target >= 0.9 each)",
             workers.len(),

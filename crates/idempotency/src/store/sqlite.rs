@@ -32,6 +32,11 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         description: "key history: idempotency_key_events",
         sql: include_str!("../../migrations/sqlite/0003_key_events.sql"),
     },
+    Migration {
+        version: 4,
+        description: "index the expiry of settled keys only",
+        sql: include_str!("../../migrations/sqlite/0004_settled_expiry_index.sql"),
+    },
 ];
 
 /// SQLite's clock in milliseconds since the Unix epoch.
